@@ -1,0 +1,75 @@
+# fabric-lab: every target is one command, the same one README.md shows. `make` lists them.
+# Variables mirror the scripts' flags and are passed only when set, so each script's defaults stay
+# the single source of truth (see `python fabric_lenet.py --help`, `python fabric_gpt.py --help`).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+TB_HOST ?= 127.0.0.1
+TB_PORT ?= 6006
+RUNS    ?= runs
+
+# flag <NAME> <--flag>: "--flag value" when the variable NAME is set
+flag = $(if $($(1)),$(2) $($(1)))
+FABRIC_FLAGS = $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) \
+	$(call flag,STRATEGY,--strategy) $(call flag,PRECISION,--precision) $(call flag,LR,--lr) \
+	$(call flag,SEED,--seed) $(call flag,RUN,--run-name) $(call flag,RESUME,--resume) $(if $(filter 1 yes true,$(COMPILE)),--compile)
+LENET_FLAGS = $(FABRIC_FLAGS) $(call flag,EPOCHS,--epochs) $(call flag,BATCH,--batch-size) $(call flag,ACT,--activation) \
+	$(call flag,DATA,--data) $(call flag,WORKERS,--num-workers) $(ARGS)
+GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps) $(call flag,MICRO_BATCH,--micro-batch-size) \
+	$(call flag,ACCUM,--grad-accum) $(call flag,SAMPLES,--num-samples) $(call flag,SEQ,--seq-len) \
+	$(if $(filter 1 yes true,$(CKPT)),--grad-checkpointing) $(call flag,NVME,--nvme-path) $(ARGS)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup data lenet tb test gelu-check bench-gelu bench-lenet gpt gpt-plan bench-gpt report clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME |"
+	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags'"
+
+# The virtual environment is rebuilt only when requirements.txt changes.
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+setup: $(VENV)/.installed ## create .venv and install requirements.txt
+
+data: $(VENV)/.installed ## download and verify MNIST into data/mnist (MNIST_MIRROR=folder-or-URL when offline)
+	$(PY) datasets_local.py --root data/mnist
+
+lenet: $(VENV)/.installed ## train LeNet-5 on MNIST (ACT=gelu_cpp, DEVICES=2 STRATEGY=ddp, RESUME=auto, ...)
+	$(PY) fabric_lenet.py $(LENET_FLAGS)
+
+tb: $(VENV)/.installed ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
+	@echo "TensorBoard: http://$(TB_HOST):$(TB_PORT)/"
+	$(VENV)/bin/tensorboard --logdir $(RUNS) --host $(TB_HOST) --port $(TB_PORT)
+
+test: $(VENV)/.installed ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
+	$(PY) -m pytest tests $(ARGS)
+
+gelu-check: $(VENV)/.installed ## compare the Python and C++ GELU with F.gelu, plus gradcheck
+	$(PY) -m gelu_ext check
+
+bench-gelu: $(VENV)/.installed ## time forward+backward of F.gelu, the Python and the C++ GELU (16M floats)
+	$(PY) -m gelu_ext bench $(ARGS)
+
+bench-lenet: $(VENV)/.installed ## LeNet-5 samples/s (DataLoader vs in-memory) and time to 99.0% test accuracy
+	$(PY) bench.py lenet $(ARGS)
+
+gpt: $(VENV)/.installed ## train GPT-2 on random tokens (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
+	$(PY) fabric_gpt.py $(GPT_FLAGS)
+
+gpt-plan: $(VENV)/.installed ## print the per-device memory plan for MODEL/STRATEGY/DEVICES without training
+	$(PY) fabric_gpt.py --plan $(GPT_FLAGS)
+
+bench-gpt: $(VENV)/.installed ## sweep strategies and precisions on equal data; writes a Markdown table
+	$(PY) bench.py gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
+
+report: $(VENV)/.installed ## write report/REPORT.md with figures from the runs under runs/
+	$(PY) report.py --runs $(RUNS) --out report $(ARGS)
+
+clean: ## remove runs/, report/ and the C++ build (keeps .venv and data/)
+	rm -rf $(RUNS) report gelu_ext/build

@@ -1,0 +1,241 @@
+"""MNIST read by hand from its IDX files: download with integrity checks, a Dataset, whole-split tensors.
+
+The IDX format (http://yann.lecun.com/exdb/mnist/): a big-endian header of two zero bytes, a type
+byte (0x08 = unsigned byte), a dimension count, then one uint32 size per dimension, then the data.
+Labels have magic 2049 (one dimension), images 2051 (three dimensions: count, rows, columns).
+
+    python datasets_local.py --root data/mnist            # download (or copy from MNIST_MIRROR) and verify
+"""
+
+import argparse
+import gzip
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import urllib.parse
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+# The mirrors torchvision uses, tried in order. MNIST_MIRROR (or mirror=) replaces them.
+UPSTREAM_MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "http://yann.lecun.com/exdb/mnist/",
+)
+# SHA-256 of the decompressed payloads, which are canonical (a mirror may re-wrap the gzip).
+SHA256 = {
+    "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+    "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+    "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+    "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+}
+SPLITS = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+IDX_MAGIC = {1: 2049, 3: 2051}  # dimension count -> magic number
+MEAN, STD = 0.1307, 0.3081  # of the training images, the usual MNIST normalization
+
+
+class MNISTError(RuntimeError):
+    """One readable message naming the file, the problem and the fix."""
+
+
+def _fix_hint(path: Path) -> str:
+    return f"Delete {path} and run again to re-download it (or set MNIST_MIRROR to a good copy)."
+
+
+# ----------------------------------------------------------------------------- IDX parsing
+def read_bytes(path: Path) -> bytes:
+    """The file's payload, gunzipped when it starts with the gzip magic bytes."""
+    path = Path(path)
+    if not path.is_file():
+        raise MNISTError(f"{path}: file not found. Download it with download=True "
+                         f"(python datasets_local.py --root {path.parent}).")
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise MNISTError(f"{path}: corrupt gzip data ({e}). {_fix_hint(path)}") from None
+    return data
+
+
+def parse_idx(data: bytes, name: str = "<bytes>", expect_ndim: int | None = None) -> np.ndarray:
+    """Parse an unsigned-byte IDX payload into a numpy array, checking every header field."""
+    if len(data) < 4:
+        raise MNISTError(f"{name}: truncated, {len(data)} bytes is shorter than the IDX header. {_fix_hint(Path(name))}")
+    zero, dtype_code, ndim = int.from_bytes(data[:2], "big"), data[2], data[3]
+    magic = int.from_bytes(data[:4], "big")
+    if zero != 0 or dtype_code != 0x08 or ndim not in IDX_MAGIC:
+        raise MNISTError(f"{name}: wrong magic number {magic} (expected 2049 for labels or 2051 for images); "
+                         f"not an MNIST IDX file. {_fix_hint(Path(name))}")
+    if expect_ndim is not None and ndim != expect_ndim:
+        raise MNISTError(f"{name}: magic number {magic}, expected {IDX_MAGIC[expect_ndim]}; "
+                         f"the image and label files may be swapped. {_fix_hint(Path(name))}")
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise MNISTError(f"{name}: truncated inside the header. {_fix_hint(Path(name))}")
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    expected = header + int(np.prod(shape))
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "longer than its header says"
+        raise MNISTError(f"{name}: {what}: header says shape {shape} ({expected} bytes), file has "
+                         f"{len(data)} bytes. {_fix_hint(Path(name))}")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def read_idx(path, expect_ndim: int | None = None) -> np.ndarray:
+    return parse_idx(read_bytes(path), str(path), expect_ndim)
+
+
+# ----------------------------------------------------------------------------- download
+def _mirrors(mirror: str | None) -> tuple[str, ...]:
+    mirror = mirror or os.environ.get("MNIST_MIRROR")
+    return (mirror,) if mirror else UPSTREAM_MIRRORS
+
+
+def _fetch(mirror: str, filename: str) -> bytes:
+    """The bytes of `filename` (.gz) from a URL or a local directory."""
+    parsed = urllib.parse.urlparse(mirror)
+    if parsed.scheme in ("http", "https", "ftp", "file"):
+        url = urllib.parse.urljoin(mirror.rstrip("/") + "/", filename)
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.read()
+    path = Path(mirror).expanduser() / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    return path.read_bytes()
+
+
+def _valid(path: Path, name: str) -> bool:
+    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file in the same folder and rename, so no partial file is ever visible."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def download(root, mirror: str | None = None, quiet: bool = False) -> None:
+    """Fetch the four MNIST files into `root` (decompressed, SHA-256 checked); skip those already valid."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for name in SHA256:
+        path = root / name
+        if _valid(path, name):
+            continue
+        errors = []
+        for source in _mirrors(mirror):
+            try:
+                payload = gzip.decompress(_fetch(source, name + ".gz"))
+            except (OSError, EOFError, zlib.error, ValueError) as e:  # URLError is an OSError
+                errors.append(f"{source}: {e}")
+                continue
+            digest = hashlib.sha256(payload).hexdigest()
+            if digest != SHA256[name]:
+                errors.append(f"{source}: checksum mismatch (sha256 {digest[:12]}..., expected {SHA256[name][:12]}...)")
+                continue
+            _write_atomic(path, payload)
+            if not quiet:
+                print(f"downloaded {name} from {source}", file=sys.stderr)
+            break
+        else:
+            raise MNISTError(
+                f"could not get {name}.gz into {root}: " + "; ".join(errors) +
+                ". Fix: connect to the internet, or set MNIST_MIRROR (or --mirror) to a directory or URL "
+                "holding the four MNIST .gz files, e.g. MNIST_MIRROR=../shared/data/mnist.")
+
+
+# ----------------------------------------------------------------------------- tensors and Dataset
+def _find(root: Path, name: str) -> Path:
+    """Prefer the raw file; accept its .gz beside it (as the shared mirror folder holds them)."""
+    raw, gz = root / name, root / (name + ".gz")
+    return raw if raw.exists() or not gz.exists() else gz
+
+
+def load_split(root, split: str = "train", download_missing: bool = False, mirror: str | None = None):
+    """(images uint8 [N, 28, 28], labels int64 [N]) of one split, parsed and cross-checked."""
+    if split not in SPLITS:
+        raise MNISTError(f"unknown split {split!r}; choose one of {sorted(SPLITS)}")
+    root = Path(root)
+    image_name, label_name = SPLITS[split]
+    if download_missing:
+        download(root, mirror)
+    elif not (_find(root, image_name).exists() and _find(root, label_name).exists()):
+        raise MNISTError(f"MNIST {split} split not found in {root}. Fix: pass download=True "
+                         f"(or run `python datasets_local.py --root {root}`), with MNIST_MIRROR set when offline.")
+    image_path, label_path = _find(root, image_name), _find(root, label_name)
+    images = read_idx(image_path, expect_ndim=3)
+    labels = read_idx(label_path, expect_ndim=1)
+    if images.shape[0] != labels.shape[0]:
+        raise MNISTError(f"{image_path} holds {images.shape[0]} images but {label_path} holds "
+                         f"{labels.shape[0]} labels; one of them is from another set. {_fix_hint(root)}")
+    if images.shape[1:] != (28, 28):
+        raise MNISTError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, MNIST's are 28x28.")
+    if labels.size and labels.max() > 9:
+        raise MNISTError(f"{label_path}: label {labels.max()} is outside 0..9. {_fix_hint(label_path)}")
+    return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
+
+
+def normalize(images_uint8: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28], scaled to [0, 1] then standardized."""
+    return ((images_uint8.float() / 255.0 - MEAN) / STD).unsqueeze(-3)
+
+
+class MNIST(Dataset):
+    """MNIST as a map-style Dataset: (image float32 1x28x28 normalized, label int)."""
+
+    def __init__(self, root, train: bool = True, download: bool = False, transform=None,
+                 target_transform=None, mirror: str | None = None):
+        self.split = "train" if train else "test"
+        self.images, self.labels = load_split(root, self.split, download, mirror)
+        self.transform, self.target_transform = transform, target_transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        image, label = normalize(self.images[index]), int(self.labels[index])
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole split as (float32 [N, 1, 28, 28], int64 [N]): batch by slicing, no per-sample calls."""
+        return normalize(self.images), self.labels.clone()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default="data/mnist", help="folder for the decompressed IDX files")
+    parser.add_argument("--mirror", default=None, help="URL or folder with the four .gz files (default: MNIST_MIRROR, then upstream)")
+    args = parser.parse_args()
+    try:
+        download(args.root, args.mirror)
+        for split in SPLITS:
+            images, labels = load_split(args.root, split)
+            print(f"{split}: {len(labels)} images, label counts {torch.bincount(labels, minlength=10).tolist()}")
+    except MNISTError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""LeNet-5 on MNIST, trained through Lightning Fabric on CPU or GPU, one or many processes.
+
+    python fabric_lenet.py                                   # defaults: 99.2%+ test accuracy on a 2-core CPU
+    python fabric_lenet.py --devices 2 --strategy ddp        # 2 processes (gloo on CPU, NCCL on GPUs)
+    python fabric_lenet.py --activation gelu_cpp             # the hand-written C++ GELU of gelu_ext/
+    python fabric_lenet.py --resume auto                     # continue the newest interrupted run
+
+Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json and summary.json.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+import signal
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+import datasets_local
+from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
+                       nonfinite_message, write_json_atomic)
+
+ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
+STRATEGIES = ("auto", "ddp", "dp")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true")
+
+
+@dataclass
+class Config:
+    # --- where and how it runs (Fabric)
+    accelerator: str = "auto"      # cpu, gpu, cuda, mps or auto
+    devices: int = 1               # devices (processes) per node
+    num_nodes: int = 1             # nodes; Fabric reads the rank layout from torchrun/SLURM
+    strategy: str = "auto"         # auto, ddp (one process per device), dp (one process, several GPUs)
+    precision: str = "bf16-mixed"  # bf16 autocast uses this CPU's AVX-512 BF16 units; 32-true for exact float32
+    compile: bool = False          # torch.compile the model (slow to start, faster steps on GPU)
+    channels_last: bool = True     # NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU
+    # --- optimization
+    epochs: int = 8
+    batch_size: int = 128          # global batch: split evenly across all processes
+    lr: float = 4e-3               # peak learning rate of the schedule
+    optimizer: str = "adamw"       # adamw or sgd (momentum 0.9, nesterov)
+    schedule: str = "onecycle"     # onecycle (warm-up then cosine decay), cosine, constant
+    weight_decay: float = 5e-4
+    seed: int = 0
+    # --- model and data
+    activation: str = "relu"       # relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/)
+    gelu_approximate: str = "none" # none (erf) or tanh, for the GELU activations
+    augment: bool = True           # random shifts of up to 2 pixels: +0.1 to 0.2 points of test accuracy here
+    data: str = "memory"           # memory: whole split as tensors, batched by slicing; loader: Dataset + DataLoader
+    num_workers: int = 0           # DataLoader worker processes (data=loader only)
+    data_dir: str = "data/mnist"
+    mirror: str = ""               # URL or folder with the MNIST .gz files; default MNIST_MIRROR, then upstream
+    train_samples: int = 0         # train on the first N training images only (0: all 60,000); for quick runs
+    max_steps: int = 0             # stop after this many optimizer steps (0: run all epochs); for smoke tests
+    # --- output and resumption
+    out_dir: str = "runs"
+    run_name: str = ""             # default: lenet-<activation>-<date-time>
+    log_every: int = 50            # steps between train-loss log lines/points
+    eval_every: int = 0            # steps between extra test evaluations (0: only at epoch ends)
+    checkpoint_every: int = 0      # steps between checkpoints (0: only at epoch ends)
+    keep_last: int = 3             # checkpoints kept
+    resume: str = ""               # "auto" (newest good checkpoint of the run) or a checkpoint folder
+    tb_images: bool = True         # confusion matrix, misclassified grid, feature maps, histograms in TensorBoard
+
+
+# Settings that may change on resume: they change how the run executes, not what it computes.
+RUNTIME_FIELDS = {"channels_last", "accelerator", "devices", "num_nodes", "strategy", "compile", "data", "num_workers", "data_dir",
+                  "mirror", "out_dir", "run_name", "log_every", "eval_every", "checkpoint_every", "keep_last",
+                  "resume", "tb_images", "max_steps"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------- model
+def make_activation(cfg: Config) -> nn.Module:
+    if cfg.activation == "relu":
+        return nn.ReLU()
+    from gelu_ext import GELU
+
+    return GELU(impl=cfg.activation.removeprefix("gelu_"), approximate=cfg.gelu_approximate)
+
+
+class LeNet5(nn.Module):
+    """LeCun et al. 1998: two conv+pool stages, three fully connected layers (61,706 parameters)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        act = lambda: make_activation(cfg)  # noqa: E731 - a fresh module per use keeps the graph readable
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 6, 5, padding=2), act(), nn.MaxPool2d(2),   # 1x28x28 -> 6x28x28 -> 6x14x14
+            nn.Conv2d(6, 16, 5), act(), nn.MaxPool2d(2),             # -> 16x10x10 -> 16x5x5
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), nn.Linear(120, 84), act(), nn.Linear(84, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+# ----------------------------------------------------------------------------- data
+def load_data(cfg: Config):
+    """Train and test splits, parsed once from the IDX files (downloaded or copied from the mirror)."""
+    train = datasets_local.MNIST(cfg.data_dir, train=True, download=True, mirror=cfg.mirror or None)
+    test = datasets_local.MNIST(cfg.data_dir, train=False, download=True, mirror=cfg.mirror or None)
+    if cfg.train_samples:
+        train.images, train.labels = train.images[:cfg.train_samples], train.labels[:cfg.train_samples]
+    return train, test
+
+
+def epoch_order(n: int, epoch: int, cfg: Config, rank: int, world: int) -> torch.Tensor:
+    """This rank's sample indices for an epoch. The same permutation and rank interleaving as
+    DistributedSampler(shuffle=True, seed=cfg.seed), so every global batch is the same whatever the
+    number of processes, and the in-memory and DataLoader paths see the same samples in the same order."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+    return order[rank::world]
+
+
+def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_batch: int, train_tensors):
+    """Yield this rank's batches from batch `start` on, by in-memory slicing or through a DataLoader."""
+    if cfg.data == "memory":
+        x, y = train_tensors
+        for i in range(start * local_batch, len(order), local_batch):
+            idx = order[i:i + local_batch]
+            yield x[idx], y[idx]
+    else:
+        sampler = order[start * local_batch:].tolist()
+        loader = DataLoader(train, batch_size=local_batch, sampler=sampler, num_workers=cfg.num_workers,
+                            persistent_workers=False)
+        yield from loader
+
+
+def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
+    """Translate each image by up to `pad` pixels in each direction, filling with the background value."""
+    n, _, h, w = x.shape
+    padded = F.pad(x, (pad, pad, pad, pad), value=float(x.min()))
+    oy, ox = (torch.randint(0, 2 * pad + 1, (2, n), generator=generator)).to(x.device)
+    rows = (torch.arange(h, device=x.device) + oy[:, None])[:, :, None]
+    cols = (torch.arange(w, device=x.device) + ox[:, None])[:, None, :]
+    return padded[torch.arange(n, device=x.device)[:, None, None], 0, rows, cols].unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------- training
+class Stopwatch:
+    """Training time kept in progress["train_time_s"] (so it survives a resume), excluding pauses."""
+
+    def __init__(self, progress: dict):
+        self.progress, self.mark = progress, time.perf_counter()
+
+    def pause(self) -> None:
+        now = time.perf_counter()
+        self.progress["train_time_s"] += now - self.mark
+        self.mark = now
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.pause()
+        yield
+        self.mark = time.perf_counter()
+
+
+def make_optimizer(cfg: Config, model: nn.Module, total_steps: int):
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
+    else:
+        # fused: one kernel for all parameters instead of a loop of small ones (matters at LeNet's size)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    if cfg.schedule == "onecycle":
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2)
+    elif cfg.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    return opt, sched
+
+
+@torch.no_grad()
+def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) -> dict:
+    """Test loss, accuracy, per-class accuracy and confusion matrix; each rank scores its shard and
+    torchmetrics gathers the counts across processes."""
+    model.eval()
+    x, y = (t[fabric.global_rank::fabric.world_size] for t in test_tensors)
+    acc = MulticlassAccuracy(num_classes=10, average="micro").to(fabric.device)
+    per_class = MulticlassAccuracy(num_classes=10, average=None).to(fabric.device)
+    confusion = MulticlassConfusionMatrix(num_classes=10).to(fabric.device)
+    loss_sum = torch.zeros((), device=fabric.device, dtype=torch.float64)
+    for i in range(0, len(y), batch):
+        xb, yb = x[i:i + batch].to(fabric.device), y[i:i + batch].to(fabric.device)
+        logits = model(xb).float()
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
+        for metric in (acc, per_class, confusion):
+            metric.update(logits, yb)
+    total = fabric.all_reduce(loss_sum, reduce_op="sum")
+    model.train()
+    return {"test_loss": float(total) / len(test_tensors[1]), "test_acc": float(acc.compute()),
+            "per_class_acc": per_class.compute().tolist(), "confusion": confusion.compute().tolist()}
+
+
+def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data, run_dir: Path, ckpts: Checkpoints,
+          state: dict, stop: StopRequest) -> dict:
+    """The epoch loop: resumes at state["progress"], evaluates each epoch, checkpoints, stops on request."""
+    train, test_tensors, train_tensors = data
+    progress, history = state["progress"], state["history"]
+    world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
+    steps_per_epoch = math.ceil(len(train) / world / local_batch)
+    check_every = 1 if fabric.device.type == "cpu" else cfg.log_every  # .item() is free on CPU, a sync on GPU
+    last_ckpt, result = None, {}
+    while progress["epoch"] < cfg.epochs:
+        epoch = progress["epoch"]
+        order = epoch_order(len(train), epoch, cfg, fabric.global_rank, world)
+        epoch_start_time, data_wait, seen = progress["train_time_s"], 0.0, 0
+        clock = Stopwatch(progress)  # adds to progress["train_time_s"]; paused around evaluation and saving
+        t_fetch = time.perf_counter()
+        for xb, yb in train_batches(train, order, progress["step_in_epoch"], cfg, local_batch, train_tensors):
+            xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
+            if cfg.channels_last:
+                xb = xb.contiguous(memory_format=torch.channels_last)
+            if cfg.augment:
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + progress["global_step"] * world + fabric.global_rank)
+                xb = random_shift(xb, g)
+            data_wait += time.perf_counter() - t_fetch
+            loss = F.cross_entropy(model(xb), yb)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            progress["step_in_epoch"] += 1
+            progress["global_step"] += 1
+            step, seen = progress["global_step"], seen + len(yb) * world
+            if step % check_every == 0 or step % cfg.log_every == 0:
+                loss_value = float(loss.detach())  # the step's loss (rank 0's shard) without a second pass
+                if not math.isfinite(loss_value):
+                    raise NonFiniteLoss(nonfinite_message(loss_value, step, epoch, last_ckpt))
+                progress["loss_sum"] += loss_value * len(yb)
+                progress["loss_count"] += len(yb)
+                if step % cfg.log_every == 0:
+                    logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                with clock.paused():
+                    log_eval(fabric, logger, history, evaluate(fabric, model, test_tensors), epoch, step,
+                             progress["train_time_s"])
+            stopping = stop.requested(fabric)
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping:
+                with clock.paused():
+                    last_ckpt = ckpts.save(fabric, state, step, dataclasses.asdict(cfg))
+            if stopping:
+                fabric.print(f"{stop.signal_name or 'stop'} received: saved {last_ckpt}; resume with --resume auto "
+                             f"--run-name {run_dir.name}")
+                return {"stopped": stop.signal_name or "stop"}
+            if cfg.max_steps and step >= cfg.max_steps:
+                break
+            t_fetch = time.perf_counter()
+        clock.pause()
+        epoch_time = progress["train_time_s"] - epoch_start_time
+        finished_epoch = progress["step_in_epoch"] >= steps_per_epoch
+        result = evaluate(fabric, model, test_tensors)
+        record = {"epoch": epoch + 1, "step": progress["global_step"],
+                  "train_loss": progress["loss_sum"] / max(progress["loss_count"], 1),
+                  "epoch_time_s": epoch_time, "samples_per_s": seen / epoch_time if epoch_time else 0.0,
+                  "data_wait_share": data_wait / epoch_time if epoch_time else 0.0,
+                  "train_time_s": progress["train_time_s"], **{k: result[k] for k in ("test_loss", "test_acc")}}
+        history.append(record)
+        print_epoch(fabric, record, cfg)
+        log_epoch(fabric, logger, cfg, model, record, result, test_tensors)
+        if finished_epoch:
+            progress.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, loss_count=0)
+        last_ckpt = ckpts.save(fabric, state, progress["global_step"], dataclasses.asdict(cfg))
+        if cfg.max_steps and progress["global_step"] >= cfg.max_steps:
+            break
+    return result
+
+
+# ----------------------------------------------------------------------------- output
+def print_epoch(fabric: Fabric, r: dict, cfg: Config) -> None:
+    fabric.print(f"epoch {r['epoch']:>2}/{cfg.epochs} | train loss {r['train_loss']:.4f} | test loss "
+                 f"{r['test_loss']:.4f} | test acc {100 * r['test_acc']:.2f}% | {r['epoch_time_s']:.2f} s | "
+                 f"{r['samples_per_s']:,.0f} samples/s | data wait {100 * r['data_wait_share']:.0f}%")
+
+
+def log_eval(fabric, logger, history, result, epoch, step, train_time) -> None:
+    history.append({"epoch": epoch + 1, "step": step, "train_time_s": train_time, "partial": True,
+                    "test_loss": result["test_loss"], "test_acc": result["test_acc"]})
+    logger.log_metrics({"test/loss": result["test_loss"], "test/acc": result["test_acc"]}, step=step)
+    fabric.print(f"  step {step}: test acc {100 * result['test_acc']:.2f}% after {train_time:.2f} s of training")
+
+
+def log_epoch(fabric: Fabric, logger, cfg: Config, model, record: dict, result: dict, test_tensors) -> None:
+    step = record["step"]
+    metrics = {"test/loss": record["test_loss"], "test/acc": record["test_acc"], "train/epoch_loss": record["train_loss"],
+               "perf/samples_per_s": record["samples_per_s"], "perf/data_wait_share": record["data_wait_share"],
+               "system/process_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if fabric.device.type == "cuda":
+        metrics["system/gpu_max_allocated_gb"] = torch.cuda.max_memory_allocated(fabric.device) / 2**30
+        try:
+            metrics["system/gpu_utilization_pct"] = torch.cuda.utilization(fabric.device)
+        except Exception:  # needs pynvml; memory figures above do not
+            pass
+    logger.log_metrics(metrics, step=step)
+    if cfg.tb_images and fabric.is_global_zero:
+        log_images(logger.experiment, model, result, test_tensors, step)
+
+
+def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
+    """Confusion matrix, misclassified digits, conv feature maps and weight histograms in TensorBoard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torchvision.utils import make_grid
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.imshow(torch.tensor(result["confusion"]).log1p(), cmap="Blues")
+    ax.set(xlabel="predicted", ylabel="true", xticks=range(10), yticks=range(10), title="confusion (log counts)")
+    writer.add_figure("test/confusion_matrix", fig, step)
+    plt.close(fig)
+
+    module = getattr(model, "module", model)
+    device = next(module.parameters()).device
+    x, y = test_tensors
+    with torch.no_grad():
+        pred = torch.cat([module(x[i:i + 1000].to(device)).argmax(1).cpu() for i in range(0, len(y), 1000)])
+        wrong = (pred != y).nonzero().flatten()[:64]
+        if len(wrong):
+            writer.add_image("test/misclassified", make_grid(x[wrong] * datasets_local.STD + datasets_local.MEAN,
+                                                              nrow=8, padding=1), step)
+        maps, hooks = {}, []
+        for name, i in (("conv1", 1), ("conv2", 4)):  # outputs after the activations
+            hooks.append(module.features[i].register_forward_hook(lambda m, a, out, n=name: maps.__setitem__(n, out)))
+        module(x[:4].to(device))
+        for h in hooks:
+            h.remove()
+        for name, fmap in maps.items():
+            fmap = fmap.float().cpu().flatten(0, 1).unsqueeze(1)  # (images*channels, 1, H, W)
+            writer.add_image(f"features/{name}", make_grid(fmap, nrow=fmap.shape[0] // 4, normalize=True,
+                                                           scale_each=True, padding=1), step)
+    for name, param in module.named_parameters():
+        writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
+
+
+def print_summary(fabric: Fabric, summary: dict) -> None:
+    fabric.print(f"\n{'class':>7} | accuracy")
+    for digit, acc in enumerate(summary["per_class_acc"]):
+        fabric.print(f"{digit:>7} | {100 * acc:6.2f}%")
+    fabric.print(f"{'all':>7} | {100 * summary['test_acc']:6.2f}%\n"
+                 f"{summary['epochs']} epochs, {summary['steps']} steps in {summary['train_time_s']:.1f} s of "
+                 f"training ({summary['samples_per_s']:,.0f} samples/s); run folder {summary['run_dir']}")
+
+
+# ----------------------------------------------------------------------------- main
+def validate(cfg: Config) -> None:
+    """Every impossible combination is refused here, before data or model are touched."""
+    choices = {"activation": ACTIVATIONS, "strategy": STRATEGIES, "precision": PRECISIONS,
+               "optimizer": ("adamw", "sgd"), "schedule": ("onecycle", "cosine", "constant"),
+               "data": ("memory", "loader"), "gelu_approximate": ("none", "tanh")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    for name in ("epochs", "batch_size", "devices", "num_nodes", "log_every", "keep_last"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    world = cfg.devices * cfg.num_nodes
+    if cfg.batch_size % world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
+                          f"{world} processes; use a multiple of {world}")
+    gpu = cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and torch.cuda.is_available())
+    if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError("--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
+    if gpu and cfg.devices > torch.cuda.device_count():
+        raise ConfigError(f"--devices {cfg.devices}: only {torch.cuda.device_count()} GPU(s) visible")
+    if cfg.strategy == "dp" and not gpu:
+        raise ConfigError("--strategy dp splits batches across GPUs in one process and needs CUDA; "
+                          "on CPU use --strategy ddp")
+    if cfg.strategy == "dp" and cfg.num_nodes > 1:
+        raise ConfigError("--strategy dp runs in one process on one node; use ddp for several nodes")
+    if cfg.precision == "16-mixed" and not gpu:
+        raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
+    if cfg.num_workers and cfg.data != "loader":
+        raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
+    if cfg.activation == "gelu_cpp":
+        from gelu_ext import load_cpp
+
+        load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
+
+
+def parse_args(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    choices = {"activation": ACTIVATIONS, "strategy": STRATEGIES, "precision": PRECISIONS}
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices.get(f.name))
+    return Config(**vars(parser.parse_args(argv)))
+
+
+def find_run_to_resume(cfg: Config) -> str:
+    """`--resume auto` without --run-name continues the newest lenet run that has a checkpoint."""
+    runs = [p.parent.parent for p in Path(cfg.out_dir).glob("lenet-*/checkpoints/step-*") if p.is_dir()]
+    if not runs:
+        raise ResumeError(f"--resume auto: no LeNet run with a checkpoint under {cfg.out_dir}/. "
+                          "Fix: start a run without --resume, or pass --run-name of a run that has one.")
+    return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    try:
+        validate(cfg)
+        if cfg.resume and not cfg.run_name:
+            cfg.run_name = find_run_to_resume(cfg) if cfg.resume == "auto" else Path(cfg.resume).resolve().parent.parent.name
+        return run(cfg)
+    except (ConfigError, ResumeError, NonFiniteLoss, datasets_local.MNISTError) as e:
+        sys.exit(f"error: {e}")
+    except ImportError as e:
+        sys.exit(f"error: {e}")
+
+
+def run(cfg: Config) -> dict:
+    fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy,
+                    precision=cfg.precision)
+    fabric.launch()
+    cfg.run_name = fabric.broadcast(cfg.run_name or f"lenet-{cfg.activation}-{datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = Path(cfg.out_dir) / cfg.run_name
+    # Created after launch: a default run name holds the start time, so rank 0's is broadcast to all.
+    logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
+    fabric.seed_everything(cfg.seed)
+    fabric.print(f"config: {dataclasses.asdict(cfg)}")
+    fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
+
+    with fabric.rank_zero_first():  # rank 0 downloads; the others then read the verified files
+        data = load_data(cfg)
+    model = LeNet5(cfg)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model = torch.compile(model)
+    steps_per_epoch = math.ceil(len(data[0]) / fabric.world_size / (cfg.batch_size // fabric.world_size))
+    optimizer, scheduler = make_optimizer(cfg, model, cfg.epochs * steps_per_epoch)
+    model, optimizer = fabric.setup(model, optimizer)
+    progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "loss_sum": 0.0, "loss_count": 0, "train_time_s": 0.0}
+    history: list = []
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress, "history": history}
+    ckpts = Checkpoints(run_dir / "checkpoints", cfg.keep_last)
+    if cfg.resume:
+        loaded = ckpts.load(fabric, state, cfg.resume, lambda saved: check_same_experiment(
+            saved, dataclasses.asdict(cfg), RUNTIME_FIELDS, f"run {cfg.run_name}"))
+        if loaded is None:
+            raise ResumeError(f"--resume {cfg.resume}: no usable checkpoint in {ckpts.folder}. "
+                              "Fix: start the run again without --resume.")
+        progress, history = state["progress"], state["history"]
+        fabric.print(f"resumed from {loaded}: epoch {progress['epoch'] + 1}, step {progress['global_step']}")
+    if fabric.is_global_zero:
+        write_json_atomic(run_dir / "config.json", dataclasses.asdict(cfg))
+    train_set, test_set = data
+    data = (train_set, test_set.tensors(), train_set.tensors() if cfg.data == "memory" else None)
+    with StopRequest() as stop:
+        result = train(fabric, cfg, logger, model, optimizer, scheduler, data, run_dir, ckpts, state, stop)
+    if result.get("stopped"):
+        sys.exit(128 + getattr(signal, result["stopped"], signal.SIGINT))  # the shell's convention for "killed by"
+    final_epochs = [h for h in history if not h.get("partial")]
+    summary = {"run_dir": str(run_dir), "test_acc": result["test_acc"], "test_loss": result["test_loss"],
+               "per_class_acc": result["per_class_acc"], "confusion": result["confusion"],
+               "epochs": progress["epoch"] + (1 if progress["step_in_epoch"] else 0), "steps": progress["global_step"],
+               "train_time_s": progress["train_time_s"],
+               "samples_per_s": progress["global_step"] * cfg.batch_size / max(progress["train_time_s"], 1e-9),
+               "world_size": fabric.world_size, "device": str(fabric.device), "history": history,
+               "epoch_history": final_epochs, "config": dataclasses.asdict(cfg), "env": environment()}
+    if fabric.is_global_zero:
+        write_json_atomic(run_dir / "summary.json", summary)
+        logger.log_hyperparams(dataclasses.asdict(cfg), {"hparams/test_acc": result["test_acc"],
+                                                         "hparams/test_loss": result["test_loss"]})
+        logger.finalize("success")
+    print_summary(fabric, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""GELU written by hand twice: a Python torch.autograd.Function and a C++ operator built just in time.
+
+    from gelu_ext import GELU, gelu_py, gelu_cpp
+    GELU(impl="cpp", approximate="tanh")(x)   # impl: "torch" (F.gelu), "py", "cpp"
+
+Both match torch.nn.functional.gelu(x, approximate="none" | "tanh"); `python -m gelu_ext check`
+prints the errors and gradcheck results, `python -m gelu_ext bench` the speed against F.gelu.
+"""
+
+import fcntl
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+APPROXIMATIONS = ("none", "tanh")
+IMPLS = ("torch", "py", "cpp")
+SOURCE = Path(__file__).with_name("gelu.cpp")
+BUILD_ROOT = Path(os.environ.get("GELU_EXT_BUILD_DIR", Path(__file__).with_name("build")))
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class GeluBuildError(RuntimeError):
+    """The C++ extension could not be built or loaded; the message names the cause and the fix."""
+
+
+def _check(x: torch.Tensor, approximate: str) -> None:
+    if not (x.is_floating_point()):
+        raise TypeError(f"gelu: expected a floating-point tensor (float32/64, float16, bfloat16), got {x.dtype}; "
+                        "convert it with .float() first")
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"gelu: approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+
+
+# ----------------------------------------------------------------------------- Python version
+def _forward_math(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x.pow(3))))
+    return 0.5 * x * (1.0 + torch.erf(x * math.sqrt(0.5)))
+
+
+def _derivative_math(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    if approximate == "tanh":
+        t = torch.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x.pow(3)))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
+    cdf = 0.5 * (1.0 + torch.erf(x * math.sqrt(0.5)))
+    pdf = torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    return cdf + x * pdf
+
+
+class GeluFunction(torch.autograd.Function):
+    """GELU with a hand-written backward; reduced precisions are computed in float32, as F.gelu does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        _check(x, approximate)
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return _forward_math(wide, approximate).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return (grad.to(wide.dtype) * _derivative_math(wide, ctx.approximate)).to(x.dtype), None
+
+
+def gelu_py(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return GeluFunction.apply(x, approximate)
+
+
+# ----------------------------------------------------------------------------- C++ version
+def _simd_flags() -> tuple[str, list[str]]:
+    """Compile for the instruction set PyTorch's own kernels dispatch to here, so Vectorized<T> is SIMD."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512",
+                          "-DCPU_CAPABILITY=AVX512"]
+    if capability == "AVX2":
+        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return "default", []
+
+
+_loaded = False
+
+
+def load_cpp(verbose: bool = False) -> None:
+    """Build (once, cached under gelu_ext/build/) and load the operator, safe across processes.
+
+    torch.utils.cpp_extension guards its build folder with a lock file that a killed build leaves behind,
+    blocking every later build. We hold an flock (released by the kernel when its process dies) around
+    the build, so a leftover lock file found while we hold it is stale and can be removed.
+    """
+    global _loaded
+    if _loaded:
+        return
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise GeluBuildError(f"gelu_cpp needs a C++ compiler, and {compiler!r} was not found on PATH. "
+                             "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
+    from torch.utils.cpp_extension import load  # imported here: it is slow and only the C++ path needs it
+
+    tag, flags = _simd_flags()
+    name = f"gelu_ext_cpp_{tag}"
+    build_dir = BUILD_ROOT / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(BUILD_ROOT / f"{name}.flock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                 build_directory=str(build_dir),
+                 is_python_module=False, verbose=verbose)
+        except (RuntimeError, OSError) as e:
+            raise GeluBuildError(f"building the gelu_ext C++ extension in {build_dir} failed: {e}. "
+                                 "Fix: read the compiler output above; delete that folder to rebuild from scratch.") from e
+    _register_python_side()
+    _loaded = True
+
+
+def _register_python_side() -> None:
+    """Fake (meta) kernel for torch.compile and the meta device, and autograd through the C++ backward."""
+
+    @torch.library.register_fake("gelu_ext::gelu_forward")
+    def _(x, approximate):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("gelu_ext::gelu_backward")
+    def _(grad, x, approximate):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.approximate = inputs[1]
+
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.gelu_ext.gelu_backward(grad, x, ctx.approximate), None
+
+    torch.library.register_autograd("gelu_ext::gelu_forward", backward, setup_context=setup_context)
+
+
+def gelu_cpp(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    _check(x, approximate)
+    load_cpp()
+    return torch.ops.gelu_ext.gelu_forward(x, approximate)
+
+
+# ----------------------------------------------------------------------------- module
+class GELU(nn.Module):
+    """Drop-in for nn.GELU choosing the implementation: "torch" (F.gelu), "py" or "cpp"."""
+
+    def __init__(self, impl: str = "torch", approximate: str = "none"):
+        super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"GELU impl must be one of {IMPLS}, got {impl!r}")
+        if approximate not in APPROXIMATIONS:
+            raise ValueError(f"GELU approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+        self.impl, self.approximate = impl, approximate
+        if impl == "cpp":
+            load_cpp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "py":
+            return gelu_py(x, self.approximate)
+        if self.impl == "cpp":
+            return gelu_cpp(x, self.approximate)
+        return F.gelu(x, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl}, approximate={self.approximate}"

@@ -1,0 +1,112 @@
+"""python -m gelu_ext check | bench: verify the hand-written GELUs against F.gelu, or time them.
+
+Both print a table and write a JSON record to runs/gelu/ for `make report`.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gelu_ext import APPROXIMATIONS, GeluBuildError, gelu_cpp, gelu_py, load_cpp
+
+sys.path.insert(0, ".")  # run_state lives at the repository root
+from run_state import environment, write_json_atomic  # noqa: E402
+
+IMPLEMENTATIONS = {"py": gelu_py, "cpp": gelu_cpp}
+
+
+def max_errors(fn, approximate: str, dtype: torch.dtype, n: int = 1_000_000, seed: int = 0) -> dict:
+    """Largest forward and input-gradient differences from F.gelu, and the two losses, on fresh inputs
+    spanning small and large magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-3, 1.5, n, dtype=torch.float64)
+    x = x.to(dtype)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    results = []
+    for f in (fn, lambda t, a: F.gelu(t, approximate=a)):
+        xi = x.clone().requires_grad_()
+        y = f(xi, approximate)
+        (y * upstream).sum().backward()
+        results.append((y.detach(), xi.grad, float((y * upstream).sum().detach())))
+    (y, gx, loss), (y_ref, gx_ref, loss_ref) = results
+    return {"forward_max_abs_err": float((y - y_ref).abs().max()), "grad_max_abs_err": float((gx - gx_ref).abs().max()),
+            "loss": loss, "loss_ref": loss_ref}
+
+
+def gradcheck(fn, approximate: str) -> bool:
+    x = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).mul(3).requires_grad_()
+    return torch.autograd.gradcheck(lambda t: fn(t, approximate), (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def check(args) -> int:
+    load_cpp()
+    rows = []
+    print(f"{'impl':<5}{'approx':<7}{'dtype':<9}{'max |dy|':>11}{'max |dx|':>11}{'loss':>16}{'F.gelu loss':>16}  gradcheck")
+    for name, fn in IMPLEMENTATIONS.items():
+        for approximate in APPROXIMATIONS:
+            ok = gradcheck(fn, approximate)
+            for dtype in (torch.float32, torch.float64):
+                r = {"impl": name, "approximate": approximate, "dtype": str(dtype).removeprefix("torch."),
+                     **max_errors(fn, approximate, dtype), "gradcheck_float64": ok}
+                rows.append(r)
+                print(f"{name:<5}{approximate:<7}{r['dtype']:<9}{r['forward_max_abs_err']:>11.2e}"
+                      f"{r['grad_max_abs_err']:>11.2e}{r['loss']:>16.6f}{r['loss_ref']:>16.6f}  {'passed' if ok else 'FAILED'}")
+    write_json_atomic(f"{args.out}/check.json", {"rows": rows, "env": environment()})
+    print(f"wrote {args.out}/check.json")
+    return 0 if all(r["gradcheck_float64"] for r in rows) else 1
+
+
+def time_forward_backward(fn, x: torch.Tensor, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of one forward+backward; the upstream gradient is allocated once, outside the clock."""
+    grad = torch.ones_like(x)
+    times = []
+    for i in range(warmup + repeats):
+        xi = x.detach().requires_grad_()
+        start = time.perf_counter()
+        fn(xi).backward(grad)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench(args) -> int:
+    load_cpp()
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
+    rows = []
+    print(f"forward+backward of {args.numel:,} float32 elements, median of {args.repeats} after warm-up, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}")
+    for approximate in APPROXIMATIONS:
+        impls = {"F.gelu": lambda t: F.gelu(t, approximate=approximate),
+                 "gelu_py": lambda t: gelu_py(t, approximate), "gelu_cpp": lambda t: gelu_cpp(t, approximate)}
+        native = None
+        for name, fn in impls.items():
+            seconds = time_forward_backward(fn, x, args.repeats)
+            native = native or seconds
+            rows.append({"approximate": approximate, "impl": name, "ms": 1e3 * seconds, "ratio": seconds / native})
+            print(f"{approximate:<7}{name:<13}{1e3 * seconds:>9.2f}{seconds / native:>10.2f}x")
+    write_json_atomic(f"{args.out}/bench.json", {"numel": args.numel, "repeats": args.repeats, "rows": rows,
+                                                 "env": environment()})
+    print(f"wrote {args.out}/bench.json")
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("command", choices=("check", "bench"))
+    parser.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="bench: elements of the test tensor")
+    parser.add_argument("--repeats", type=int, default=15, help="bench: timed repetitions")
+    parser.add_argument("--out", default="runs/gelu", help="folder for the JSON record")
+    args = parser.parse_args()
+    try:
+        sys.exit(check(args) if args.command == "check" else bench(args))
+    except GeluBuildError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

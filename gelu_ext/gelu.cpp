@@ -1,0 +1,166 @@
+// GELU computed by hand, registered as the PyTorch operators gelu_ext::gelu_forward/gelu_backward.
+//
+//   exact:  y = x * Phi(x)            = 0.5 x (1 + erf(x / sqrt 2))
+//           dy/dx = Phi(x) + x phi(x) = 0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
+//   tanh:   y = 0.5 x (1 + t),  t = tanh(u),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//           dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+//
+// The CPU kernel is a loop over the elements, split across threads by at::parallel_for and written
+// with at::vec::Vectorized so each iteration handles a SIMD register of values; gelu_ext/__init__.py
+// builds it with the instruction set (AVX2/AVX-512) that PyTorch's own kernels use on this CPU, which
+// is what lets Vectorized::erf run as SIMD code. float32/float64 run natively; float16/bfloat16 are
+// widened to float32 and the result narrowed back, as PyTorch does for reduced precision.
+// Tensors on other devices (CUDA) run a composition of ATen ops: correct, not a hand-written kernel.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+
+namespace gelu_ext {
+
+using at::vec::Vectorized;
+constexpr int64_t kGrain = 16384;  // elements per parallel task: large enough to amortize thread wake-up
+
+bool is_tanh(const std::string& approximate) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh",
+              "gelu_ext: approximate must be 'none' or 'tanh', got '", approximate, "'");
+  return approximate == "tanh";
+}
+
+void check_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "gelu_ext: ", name,
+              " must be a floating-point tensor (float32, float64, float16, bfloat16), got ",
+              x.scalar_type(), "; convert it with .float() first");
+}
+
+template <typename T>
+struct Consts {
+  const Vectorized<T> half{T(0.5)}, one{T(1)}, three_k{T(3 * 0.044715)}, k{T(0.044715)};
+  const Vectorized<T> rsqrt2{T(M_SQRT1_2)}, rsqrt2pi{T(0.5 * M_2_SQRTPI * M_SQRT1_2)};
+  const Vectorized<T> sqrt2_over_pi{T(M_SQRT2 * M_2_SQRTPI * 0.5)}, minus_half{T(-0.5)};
+};
+
+template <typename T>
+inline Vectorized<T> forward_vec(const Vectorized<T>& x, bool tanh_approx, const Consts<T>& c) {
+  if (tanh_approx) {
+    auto u = c.sqrt2_over_pi * (x + c.k * x * x * x);
+    return c.half * x * (c.one + u.tanh());
+  }
+  return c.half * x * (c.one + (x * c.rsqrt2).erf());
+}
+
+template <typename T>
+inline Vectorized<T> backward_vec(const Vectorized<T>& g, const Vectorized<T>& x, bool tanh_approx,
+                                  const Consts<T>& c) {
+  if (tanh_approx) {
+    auto x2 = x * x;
+    auto t = (c.sqrt2_over_pi * (x + c.k * x2 * x)).tanh();
+    auto du = c.sqrt2_over_pi * (c.one + c.three_k * x2);
+    return g * (c.half * (c.one + t) + c.half * x * (c.one - t * t) * du);
+  }
+  auto cdf = c.half * (c.one + (x * c.rsqrt2).erf());
+  auto pdf = c.rsqrt2pi * (c.minus_half * x * x).exp();
+  return g * (cdf + x * pdf);
+}
+
+// Apply `op` to n elements in SIMD-register steps, the tail with a partial load/store.
+template <typename T, typename Op>
+void vector_loop(int64_t n, Op op) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    constexpr int64_t width = Vectorized<T>::size();
+    int64_t i = begin;
+    for (; i + width <= end; i += width) op(i, width);
+    if (i < end) op(i, end - i);
+  });
+}
+
+at::Tensor widen(const at::Tensor& t) {
+  auto st = t.scalar_type();
+  return (st == at::kHalf || st == at::kBFloat16) ? t.to(at::kFloat) : t;
+}
+
+at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  const bool tanh_approx = is_tanh(approximate);
+  auto x = widen(input).contiguous();
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_forward", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    const Consts<scalar_t> c;
+    vector_loop<scalar_t>(x.numel(), [&](int64_t i, int64_t count) {
+      forward_vec(Vectorized<scalar_t>::loadu(xp + i, count), tanh_approx, c).store(yp + i, count);
+    });
+  });
+  return y.to(input.scalar_type());
+}
+
+at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  check_input(grad, "grad");
+  TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
+              " differs from input shape ", input.sizes());
+  const bool tanh_approx = is_tanh(approximate);
+  auto x = widen(input).contiguous();
+  auto g = widen(grad).to(x.scalar_type()).contiguous();
+  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_backward", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = g.const_data_ptr<scalar_t>();
+    scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+    const Consts<scalar_t> c;
+    vector_loop<scalar_t>(x.numel(), [&](int64_t i, int64_t count) {
+      auto xv = Vectorized<scalar_t>::loadu(xp + i, count);
+      auto gv = Vectorized<scalar_t>::loadu(gp + i, count);
+      backward_vec(gv, xv, tanh_approx, c).store(dp + i, count);
+    });
+  });
+  return dx.to(input.scalar_type());
+}
+
+// Device-generic fallback (CUDA and others): the same formulas as ATen ops, computed in float32 or wider.
+at::Tensor gelu_forward_composite(const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  auto x = widen(input);
+  at::Tensor y = is_tanh(approximate)
+      ? 0.5 * x * (1 + at::tanh(M_SQRT2 * M_2_SQRTPI * 0.5 * (x + 0.044715 * x * x * x)))
+      : 0.5 * x * (1 + at::erf(x * M_SQRT1_2));
+  return y.to(input.scalar_type());
+}
+
+at::Tensor gelu_backward_composite(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  check_input(grad, "grad");
+  auto x = widen(input);
+  auto g = widen(grad);
+  at::Tensor d;
+  if (is_tanh(approximate)) {
+    const double s = M_SQRT2 * M_2_SQRTPI * 0.5;
+    auto t = at::tanh(s * (x + 0.044715 * x * x * x));
+    d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * s * (1 + 3 * 0.044715 * x * x);
+  } else {
+    d = 0.5 * (1 + at::erf(x * M_SQRT1_2)) + x * at::exp(-0.5 * x * x) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
+  }
+  return (g * d).to(input.scalar_type());
+}
+
+TORCH_LIBRARY(gelu_ext, m) {
+  m.def("gelu_forward(Tensor input, str approximate) -> Tensor");
+  m.def("gelu_backward(Tensor grad, Tensor input, str approximate) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gelu_ext, CPU, m) {
+  m.impl("gelu_forward", &gelu_forward_cpu);
+  m.impl("gelu_backward", &gelu_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(gelu_ext, CUDA, m) {
+  m.impl("gelu_forward", &gelu_forward_composite);
+  m.impl("gelu_backward", &gelu_backward_composite);
+}
+
+}  // namespace gelu_ext
