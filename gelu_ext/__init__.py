@@ -92,9 +92,9 @@ _loaded = False
 def load_cpp(verbose: bool = False) -> None:
     """Build (once, cached under gelu_ext/build/) and load the operator, safe across processes.
 
-    torch.utils.cpp_extension guards its build folder with a lock file that a killed build leaves behind,
-    blocking every later build. We hold an flock (released by the kernel when its process dies) around
-    the build, so a leftover lock file found while we hold it is stale and can be removed.
+    Older torch releases guard the build folder with a lock file whose mere existence blocks, so a killed
+    build blocks every later one (newer ones use an advisory lock). We hold an flock, which the kernel
+    releases when its holder dies, around the build: a `lock` file found while we hold it is stale.
     """
     global _loaded
     if _loaded:

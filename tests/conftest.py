@@ -1,0 +1,46 @@
+"""Shared fixtures: the real MNIST through the project's mirror setting, and running the scripts for real."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def mirror_dir() -> Path | None:
+    """MNIST_MIRROR when set (as .ci/run sets it), else ../shared/data/mnist beside the repository."""
+    candidate = Path(os.environ.get("MNIST_MIRROR") or REPO.parent / "shared" / "data" / "mnist")
+    return candidate if (candidate / "train-images-idx3-ubyte.gz").exists() else None
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory) -> Path:
+    """The four verified MNIST files, fetched once per session from the mirror by the project's downloader."""
+    mirror = mirror_dir()
+    if mirror is None:
+        pytest.skip("real MNIST needed: set MNIST_MIRROR to a folder with the four .gz files "
+                    "(CI uses ../shared/data/mnist)")
+    import datasets_local
+
+    root = tmp_path_factory.mktemp("mnist")
+    datasets_local.download(root, str(mirror), quiet=True)
+    return root
+
+
+def run_script(*args, timeout=600, check=True, env=None) -> subprocess.CompletedProcess:
+    """Run a repository script in a fresh Python process, the way a user runs it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())

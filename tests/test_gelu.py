@@ -1,0 +1,118 @@
+"""gelu_ext: both hand-written GELUs against F.gelu and gradcheck, the real C++ build, and a LeNet run."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gelu_ext
+from gelu_ext import GELU, gelu_cpp, gelu_py
+
+IMPLS = {"py": gelu_py, "cpp": gelu_cpp}
+# Tolerances: float64 is exact to rounding; float32/reduced precisions differ from F.gelu only in the
+# last bits of erf/tanh; bfloat16/float16 results are rounded to 8/11-bit mantissas.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    gelu_ext.load_cpp()  # the real JIT build with torch.utils.cpp_extension, cached in gelu_ext/build/
+
+
+def fresh_inputs(dtype, n=4099, scale=8.0, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_forward_and_gradient_match_f_gelu(impl, approximate, dtype):
+    x = fresh_inputs(dtype)
+    upstream = fresh_inputs(dtype, scale=1.0)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = IMPLS[impl](a, approximate), F.gelu(b, approximate=approximate)
+    (y * upstream).sum().backward()
+    (y_ref * upstream).sum().backward()
+    assert y.dtype == dtype and a.grad.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(a.grad, b.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gradcheck_float64(impl, approximate):
+    x = fresh_inputs(torch.float64, n=50, scale=3.0).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: IMPLS[impl](t, approximate), (x,), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_magnitudes(impl):
+    x = torch.tensor([-1e4, -40.0, -10.0, 10.0, 40.0, 1e4], dtype=torch.float64)
+    for approximate in ("none", "tanh"):
+        torch.testing.assert_close(IMPLS[impl](x, approximate), F.gelu(x, approximate=approximate))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_and_infinities_propagate_like_f_gelu(impl):
+    # float64: F.gelu's own float32 SIMD path returns NaN for +inf in long tensors but +inf in short ones;
+    # in float64 it is consistent (NaN -> NaN, +inf -> +inf, -inf -> NaN since -inf * 0 is NaN).
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0], dtype=torch.float64)
+    for approximate in ("none", "tanh"):
+        torch.testing.assert_close(IMPLS[impl](x, approximate), F.gelu(x, approximate=approximate), equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shapes_noncontiguous_and_empty(impl):
+    x = fresh_inputs(torch.float32, n=6 * 5 * 4, seed=3).reshape(6, 5, 4)
+    for view in (x, x.transpose(0, 2), x[:, ::2, 1:], x.reshape(-1)[::3]):
+        assert not view.is_contiguous() or view is x or view.dim() == 1
+        torch.testing.assert_close(IMPLS[impl](view, "none"), F.gelu(view))
+    empty = torch.empty(0, 3)
+    assert IMPLS[impl](empty, "none").shape == (0, 3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_and_bool_inputs_are_refused(impl, dtype):
+    with pytest.raises(TypeError, match="floating-point"):
+        IMPLS[impl](torch.ones(3, dtype=dtype), "none")
+
+
+def test_cpp_op_is_registered_with_fake_kernel_and_compiles():
+    torch.library.opcheck(torch.ops.gelu_ext.gelu_forward.default, (torch.randn(8, dtype=torch.float64), "none"))
+    meta = torch.ops.gelu_ext.gelu_forward(torch.empty(4, 5, device="meta"), "tanh")
+    assert meta.shape == (4, 5) and meta.device.type == "meta"
+    compiled = torch.compile(lambda t: gelu_cpp(t, "none") * 2, backend="eager", fullgraph=True)
+    x = torch.randn(10)
+    torch.testing.assert_close(compiled(x), F.gelu(x) * 2)
+
+
+def test_missing_compiler_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(gelu_ext, "_loaded", False)
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(gelu_ext.GeluBuildError, match="C\\+\\+ compiler.*no-such-compiler-xyz.*gelu_py"):
+        gelu_ext.load_cpp()
+
+
+def test_stale_build_lock_does_not_block(tmp_path):
+    """A build killed mid-way leaves `lock` behind (older torch releases wait on it forever); the next load must not hang."""
+    tag = gelu_ext._simd_flags()[0]
+    lock = gelu_ext.BUILD_ROOT / f"gelu_ext_cpp_{tag}" / "lock"
+    lock.write_text("")
+    code = "import gelu_ext, torch; x = torch.randn(5); print(float((gelu_ext.gelu_cpp(x) - torch.nn.functional.gelu(x)).abs().max()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=gelu_ext.SOURCE.parent.parent, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-6
+
+
+def test_module_choices():
+    x = torch.randn(32)
+    for impl in ("torch", "py", "cpp"):
+        torch.testing.assert_close(GELU(impl, "tanh")(x), F.gelu(x, approximate="tanh"))
+    with pytest.raises(ValueError, match="impl"):
+        GELU("cuda")

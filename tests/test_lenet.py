@@ -1,0 +1,95 @@
+"""fabric_lenet.py: the model, real training on real MNIST, 2-process DDP against 1 process, bad flags."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import read_summary, run_script
+from fabric_lenet import Config, LeNet5, epoch_order, random_shift
+
+QUICK = ["--precision", "32-true", "--no-augment", "--no-tb-images", "--accelerator", "cpu"]
+
+
+def test_lenet_shapes_and_parameter_count():
+    model = LeNet5(Config())
+    assert sum(p.numel() for p in model.parameters()) == 61_706  # LeCun et al. 1998, with 10 outputs
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_epoch_order_matches_distributed_sampler():
+    from torch.utils.data import DistributedSampler
+
+    cfg = Config(seed=7)
+    for rank in range(2):
+        sampler = DistributedSampler(range(100), num_replicas=2, rank=rank, shuffle=True, seed=7)
+        sampler.set_epoch(3)
+        assert list(sampler) == epoch_order(100, 3, cfg, rank, 2).tolist()
+
+
+def test_random_shift_moves_content():
+    x = torch.zeros(4, 1, 28, 28)
+    x[:, :, 10:18, 10:18] = 1
+    shifted = random_shift(x, torch.Generator().manual_seed(0))
+    assert shifted.shape == x.shape and torch.equal(shifted.sum((1, 2, 3)), x.sum((1, 2, 3)))
+    assert not torch.equal(shifted, x)
+
+
+def test_one_epoch_on_real_mnist_reaches_97_percent(mnist_dir, tmp_path):
+    run_script("fabric_lenet.py", "--epochs", "1", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "one")
+    s = read_summary(tmp_path / "one")
+    assert s["test_acc"] >= 0.97, s["test_acc"]
+    assert len(s["per_class_acc"]) == 10 and min(s["per_class_acc"]) > 0.9
+    for key in ("epochs", "train_time_s", "samples_per_s", "config", "env"):
+        assert key in s
+    assert (tmp_path / "one" / "checkpoints").is_dir() and list((tmp_path / "one").glob("events.out.tfevents.*"))
+
+
+def test_dataloader_path_trains_exactly_like_the_in_memory_path(mnist_dir, tmp_path):
+    common = [*QUICK, "--epochs", "1", "--max-steps", "30", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    run_script("fabric_lenet.py", *common, "--data", "memory", "--run-name", "mem")
+    run_script("fabric_lenet.py", *common, "--data", "loader", "--num-workers", "1", "--run-name", "loader")
+    mem, loader = read_summary(tmp_path / "mem"), read_summary(tmp_path / "loader")
+    assert mem["test_loss"] == loader["test_loss"] and mem["test_acc"] == loader["test_acc"]
+
+
+def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
+    common = [*QUICK, "--epochs", "1", "--max-steps", "40", "--batch-size", "64", "--data-dir", mnist_dir,
+              "--out-dir", tmp_path]
+    run_script("fabric_lenet.py", *common, "--run-name", "single")
+    run_script("fabric_lenet.py", *common, "--devices", "2", "--strategy", "ddp", "--run-name", "ddp")
+    single, ddp = read_summary(tmp_path / "single"), read_summary(tmp_path / "ddp")
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    # Same global batches, gradients averaged by gloo: equal up to float32 summation order.
+    assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=1e-4)
+    assert abs(ddp["test_acc"] - single["test_acc"]) <= 0.002
+
+
+def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
+    run_script("fabric_lenet.py", "--activation", "gelu_cpp", "--epochs", "1", "--train-samples", "12000",
+               "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "gelu")
+    s = read_summary(tmp_path / "gelu")
+    first, last = s["history"][0], s["history"][-1]
+    assert s["test_acc"] > 0.9 and s["config"]["activation"] == "gelu_cpp"
+    assert last["train_loss"] < 2.3  # below chance-level cross-entropy, ln(10)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--batch-size", "65", "--devices", "2", "--strategy", "ddp"], "divide evenly across 2"),
+    (["--strategy", "dp"], "needs CUDA"),
+    (["--precision", "16-mixed", "--accelerator", "cpu"], "needs a GPU"),
+    (["--accelerator", "gpu"], "no CUDA GPU"),
+    (["--num-workers", "2"], "--data loader only"),
+    (["--epochs", "0"], "at least 1"),
+])
+def test_impossible_flags_are_refused_before_training(tmp_path, args, words):
+    proc = run_script("fabric_lenet.py", *args, "--out-dir", tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and words in last, proc.stderr[-2000:]
+    assert not (tmp_path / "lenet").exists() and not list(tmp_path.iterdir())
+
+
+def test_unknown_choice_is_an_argparse_error(tmp_path):
+    proc = run_script("fabric_lenet.py", "--activation", "swish", check=False, timeout=120)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
