@@ -245,7 +245,7 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
             if step % check_every == 0 or step % cfg.log_every == 0:
                 loss_value = float(loss.detach())  # the step's loss (rank 0's shard) without a second pass
                 if not math.isfinite(loss_value):
-                    raise NonFiniteLoss(nonfinite_message(loss_value, step, epoch, last_ckpt))
+                    raise NonFiniteLoss(nonfinite_message(loss_value, step, f"epoch {epoch + 1}", last_ckpt, cfg.precision))
                 progress["loss_sum"] += loss_value * len(yb)
                 progress["loss_count"] += len(yb)
                 if step % cfg.log_every == 0:

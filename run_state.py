@@ -170,8 +170,9 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def nonfinite_message(loss: float, step: int, epoch: int, last_checkpoint) -> str:
-    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
-    return (f"loss became {loss} at step {step} (epoch {epoch}); training stopped instead of continuing on "
-            f"garbage, and {where}. Likely causes: a learning rate too high (lower --lr or lengthen warm-up), "
-            f"overflow in reduced precision (try --precision bf16-mixed or 32-true), or NaN/inf in the input data.")
+def nonfinite_message(loss: float, step: int, where: str, last_checkpoint, precision: str) -> str:
+    saved = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
+    reduced = "" if precision.startswith(("32", "64")) else f"overflow in {precision} (try --precision 32-true), "
+    return (f"loss became {loss} at step {step} ({where}); training stopped instead of continuing on garbage, "
+            f"and {saved}. Likely causes: a learning rate too high (start a new run with a lower --lr or a longer "
+            f"warm-up), {reduced}or NaN/inf in the input data.")

@@ -1,0 +1,126 @@
+"""Nothing lost: real processes killed (SIGKILL, SIGINT) and resumed must end exactly where an
+uninterrupted run ends; bad checkpoints and non-finite losses end in one clear message."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, read_summary, run_script
+
+# 2 epochs of 235 steps; a checkpoint every 40 steps; default precision (bf16 autocast) and augmentation.
+ARGS = ["--epochs", "2", "--train-samples", "30000", "--checkpoint-every", "40", "--keep-last", "20",
+        "--no-tb-images", "--accelerator", "cpu"]
+
+
+def start(args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "fabric_lenet.py", *map(str, args)], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout=300) -> None:
+    deadline = time.time() + timeout
+    while not [p for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".partial")]:
+        assert proc.poll() is None, f"run ended before its first checkpoint:\n{proc.stdout.read()}"
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def final_weights(run_dir: Path) -> dict:
+    last = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".partial"))[-1]
+    return torch.load(last / "state", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    sa, sb = read_summary(a), read_summary(b)
+    assert sa["steps"] == sb["steps"]
+    assert sa["test_loss"] == sb["test_loss"] and sa["test_acc"] == sb["test_acc"]  # bit for bit on CPU
+    assert [e["train_loss"] for e in sa["epoch_history"]] == [e["train_loss"] for e in sb["epoch_history"]]
+    wa, wb = final_weights(a), final_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(mnist_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    run_script("fabric_lenet.py", *ARGS, "--data-dir", mnist_dir, "--out-dir", out, "--run-name", "ref")
+    return out / "ref"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
+    args = [*ARGS, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "cut"]
+    proc = start(args)
+    wait_for_checkpoint(tmp_path / "cut", proc)
+    os.killpg(proc.pid, sig)
+    output = proc.communicate(timeout=120)[0]
+    if sig == signal.SIGINT:  # a clean stop: checkpoint first, then exit 130 and say how to resume
+        assert proc.returncode == 128 + signal.SIGINT, output
+        assert "SIGINT received: saved" in output and "--resume auto" in output
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert not (tmp_path / "cut" / "summary.json").exists(), "the run must have been cut before its end"
+    resumed = run_script("fabric_lenet.py", *args, "--resume", "auto")
+    assert "resumed from" in resumed.stdout
+    assert_same_run(reference, tmp_path / "cut")
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(reference, mnist_dir, tmp_path):
+    args = [*ARGS, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "bad", "--max-steps", "120"]
+    run_script("fabric_lenet.py", *args)
+    ckpts = sorted((tmp_path / "bad" / "checkpoints").glob("step-*"))
+    newest = ckpts[-1] / "state"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, as by a full disk
+    (tmp_path / "bad" / "checkpoints" / "step-00000999.partial").mkdir()  # a save that never finished
+    explicit = run_script("fabric_lenet.py", *args, "--resume", ckpts[-1], check=False)
+    assert explicit.returncode == 1
+    assert f"checkpoint {ckpts[-1]} cannot be loaded" in explicit.stderr.strip().splitlines()[-1]
+    resumed = run_script("fabric_lenet.py", *args[:-2], "--resume", "auto")
+    assert f"skipping checkpoint {ckpts[-1]}" in resumed.stderr + resumed.stdout
+    assert f"resumed from {ckpts[-2]}" in resumed.stdout
+    assert_same_run(reference, tmp_path / "bad")
+
+
+def test_resume_with_other_settings_is_refused(mnist_dir, tmp_path):
+    args = ["--epochs", "1", "--max-steps", "5", "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+            "--run-name", "r"]
+    run_script("fabric_lenet.py", *args)
+    proc = run_script("fabric_lenet.py", *args, "--resume", "auto", "--activation", "gelu_py", "--batch-size", "64",
+                      check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "cannot resume run r" in last
+    assert "activation: checkpoint 'relu' vs now 'gelu_py'" in last and "batch_size" in last
+
+
+def test_resume_without_checkpoint_is_one_clear_error(tmp_path):
+    proc = run_script("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path, check=False)
+    assert proc.returncode == 1 and "no LeNet run with a checkpoint" in proc.stderr
+
+
+def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
+    proc = run_script("fabric_lenet.py", "--optimizer", "sgd", "--lr", "1e6", "--epochs", "1", "--checkpoint-every", "1",
+                      "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "nan", check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "loss became nan at step" in last and "learning rate" in last
+    good = sorted((tmp_path / "nan" / "checkpoints").glob("step-*"))
+    assert good and f"the last good checkpoint is {good[-1]}" in last
+    assert torch.isfinite(torch.load(good[-1] / "state", weights_only=False)["model"]["features.0.weight"]).all()
+
+
+def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
+    args = ["--epochs", "1", "--train-samples", "20000", "--checkpoint-every", "30", "--keep-last", "20",
+            "--no-tb-images", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir,
+            "--out-dir", tmp_path]
+    run_script("fabric_lenet.py", *args, "--run-name", "whole")
+    proc = start([*args, "--run-name", "cut"])
+    wait_for_checkpoint(tmp_path / "cut", proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, as a scheduler kills a job
+    proc.communicate(timeout=60)
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    run_script("fabric_lenet.py", *args, "--run-name", "cut", "--resume", "auto")
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
