@@ -30,7 +30,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 import datasets_local
 from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
-                       nonfinite_message, write_json_atomic)
+                       nonfinite_message, progress_bar, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -226,7 +226,8 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
         epoch_start_time, data_wait, seen = progress["train_time_s"], 0.0, 0
         clock = Stopwatch(progress)  # adds to progress["train_time_s"]; paused around evaluation and saving
         t_fetch = time.perf_counter()
-        for xb, yb in train_batches(train, order, progress["step_in_epoch"], cfg, local_batch, train_tensors):
+        batches = train_batches(train, order, progress["step_in_epoch"], cfg, local_batch, train_tensors)
+        for xb, yb in progress_bar(fabric, batches, steps_per_epoch - progress["step_in_epoch"], f"epoch {epoch + 1}"):
             xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
             if cfg.channels_last:
                 xb = xb.contiguous(memory_format=torch.channels_last)

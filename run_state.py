@@ -166,6 +166,15 @@ class StopRequest:
         return flag
 
 
+def progress_bar(fabric, iterable, total: int, desc: str):
+    """A tqdm bar on rank 0 when attached to a terminal; the plain iterable otherwise (CI, logs, pipes)."""
+    if not (fabric.is_global_zero and sys.stdout.isatty()):
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, leave=False, unit="batch")
+
+
 class NonFiniteLoss(RuntimeError):
     pass
 

@@ -1,0 +1,164 @@
+"""Benchmarks that print figures (never timed tests). Each run is a real training run of the scripts.
+
+    python bench.py lenet                                   # samples/s of both data paths, time to 99.0%
+    python bench.py gpt --model tiny --devices 2 --accelerator cpu   # strategy x precision sweep
+    python bench.py gpt --model 1.6b --devices 8 --precisions bf16-mixed   # the same on GPUs
+
+Results go to runs/bench-lenet/ and runs/bench-gpt-<model>-<devices>x<accelerator>/ (table.md + JSON).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from run_state import write_json_atomic
+
+REPO = Path(__file__).resolve().parent
+CPU_DEEPSPEED_SHIM = REPO / "tests" / "deepspeed_cpu"
+
+
+def run(script: str, args: list, env: dict | None = None) -> tuple[int, str]:
+    """Run a script as a user would; return its exit code and the last line it printed to stderr."""
+    proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, text=True, capture_output=True,
+                          env={**os.environ, **(env or {})})
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    return proc.returncode, last
+
+
+def progress(items, desc: str):
+    """A progress bar on a terminal, plain lines otherwise (CI, redirected output)."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc)
+    return items
+
+
+# ----------------------------------------------------------------------------- LeNet-5
+def bench_lenet(args) -> None:
+    out = Path(args.out_dir) / "bench-lenet"
+    common = ["--out-dir", out, "--no-tb-images", "--accelerator", "cpu", *args.extra]
+    cases = {  # name: flags; the first two compare data paths on equal work (batch 64, same steps)
+        "dataloader_b64": ["--data", "loader", "--num-workers", "0", "--batch-size", "64", "--epochs", "1",
+                           "--max-steps", str(args.steps)],
+        "memory_b64": ["--data", "memory", "--batch-size", "64", "--epochs", "1", "--max-steps", str(args.steps)],
+        "memory_default": ["--epochs", "1", "--max-steps", str(args.steps)],
+        "default_8_epochs": ["--eval-every", "117"],      # time to 99.0%, test accuracy 4 times an epoch
+        "short_2_epochs": ["--epochs", "2", "--eval-every", "117"],
+    }
+    results = {}
+    for name in progress(list(cases), "lenet bench"):
+        print(f"running {name} ...", flush=True)
+        code, last = run("fabric_lenet.py", [*cases[name], *common, "--run-name", name])
+        if code:
+            sys.exit(f"error: {name} failed: {last}")
+        s = json.loads((out / name / "summary.json").read_text())
+        reached = [h["train_time_s"] for h in s["history"] if h["test_acc"] >= 0.99]
+        results[name] = {"samples_per_s": s["samples_per_s"], "test_acc": s["test_acc"],
+                         "train_time_s": s["train_time_s"], "time_to_99_0_s": reached[0] if reached else None,
+                         "batch_size": s["config"]["batch_size"], "precision": s["config"]["precision"],
+                         "data": s["config"]["data"], "epochs": s["epochs"]}
+    ratio = results["memory_b64"]["samples_per_s"] / results["dataloader_b64"]["samples_per_s"]
+    lines = ["| case | data path | batch | precision | samples/s | test acc | train s | s to 99.0% |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        t99 = f"{r['time_to_99_0_s']:.1f}" if r["time_to_99_0_s"] is not None else "not reached"
+        lines.append(f"| {name} | {r['data']} | {r['batch_size']} | {r['precision']} | {r['samples_per_s']:,.0f} | "
+                     f"{100 * r['test_acc']:.2f}% | {r['train_time_s']:.1f} | {t99} |")
+    lines.append(f"\nin-memory / DataLoader at batch 64: {ratio:.2f}x")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.md").write_text(table + "\n")
+    write_json_atomic(out / "bench.json", {"results": results, "memory_over_dataloader": ratio})
+    print(f"wrote {out}/table.md and bench.json")
+
+
+# ----------------------------------------------------------------------------- GPT
+def bench_gpt(args) -> None:
+    name = f"bench-gpt-{args.model}-{args.devices}x{args.accelerator}"
+    out = Path(args.out_dir) / name
+    env = {}
+    if args.accelerator == "cpu":
+        # Lightning runs DeepSpeed on CUDA only; on CPU the sweep borrows the test suite's shim that lifts
+        # that guard, so the real ZeRO code runs with gloo. Figures on CPU compare strategies, not GPUs.
+        env["PYTHONPATH"] = f"{CPU_DEEPSPEED_SHIM}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        print("note: DeepSpeed on CPU runs through tests/deepspeed_cpu (Lightning allows it on CUDA only)")
+    global_batch = args.micro_batch_size * args.devices
+    rows = []
+    cases = [(s, p) for p in args.precisions for s in args.strategies]
+    for strategy, precision in progress(cases, "gpt sweep"):
+        devices = 1 if strategy == "auto" else args.devices
+        micro = global_batch // devices  # the same global batch, so every row trains on the same samples
+        run_name = f"{strategy}-{precision}"
+        flags = ["--model", args.model, "--strategy", strategy, "--precision", precision, "--devices", devices,
+                 "--accelerator", args.accelerator, "--micro-batch-size", micro, "--num-samples", args.num_samples,
+                 "--out-dir", out, "--run-name", run_name, *args.extra]
+        started = time.time()
+        code, last = run("fabric_gpt.py", flags, env)
+        print(f"{run_name} on {devices} device(s): {'ok' if code == 0 else 'failed: ' + last} ({time.time() - started:.0f} s)",
+              flush=True)
+        record = json.loads((out / run_name / "record.json").read_text()) if code == 0 else None
+        rows.append({"strategy": strategy, "precision": precision, "devices": devices, "record": record,
+                     "error": None if code == 0 else last})
+    write_table(out, args, rows)
+
+
+def write_table(out: Path, args, rows: list) -> None:
+    singles = {r["precision"]: r["record"]["tokens_per_s"] for r in rows if r["strategy"] == "auto" and r["record"]}
+    lines = [f"Model `{args.model}`, {args.num_samples} samples, global batch {args.micro_batch_size * args.devices}, "
+             f"accelerator {args.accelerator}; speed-up is tokens/s over the single-device run of the same precision.",
+             "", "| strategy | precision | devices | step ms | tokens/s | TFLOPS/device | MFU | peak mem GiB | planned GiB | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = r["record"]
+        if rec is None:
+            lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | failed: {r['error'][:80]} | | | | | | |")
+            continue
+        mem = rec["memory"].get("max_allocated_gb", rec["memory"].get("max_rss_gb"))
+        mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "unknown"
+        base = singles.get(r["precision"])
+        speedup = f"{rec['tokens_per_s'] / base:.2f}x" if base else "n/a"
+        lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {1e3 * rec['step_time_s']:.1f} | "
+                     f"{rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | {mem:.2f} | "
+                     f"{rec['planned_gb']:.2f} | {speedup} |")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.md").write_text(table + "\n")
+    write_json_atomic(out / "bench.json", {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows})
+    print(f"wrote {out}/table.md and bench.json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="runs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    lenet = sub.add_parser("lenet", help="LeNet-5: data paths and time to accuracy")
+    lenet.add_argument("--steps", type=int, default=400, help="optimizer steps of the throughput cases")
+    lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags (after --)")
+    lenet.set_defaults(func=bench_lenet)
+    gpt = sub.add_parser("gpt", help="GPT-2: strategies x precisions on equal data")
+    gpt.add_argument("--model", default="tiny")
+    gpt.add_argument("--devices", type=int, default=2)
+    gpt.add_argument("--accelerator", default="cuda" if _cuda() else "cpu")
+    gpt.add_argument("--micro-batch-size", type=int, default=4, help="per device when all devices are used")
+    gpt.add_argument("--num-samples", type=int, default=256)
+    gpt.add_argument("--strategies", nargs="+", default=["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3",
+                                                         "deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
+    gpt.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
+    gpt.add_argument("extra", nargs="*", help="more fabric_gpt.py flags (after --)")
+    gpt.set_defaults(func=bench_gpt)
+    args = parser.parse_args()
+    args.func(args)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()

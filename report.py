@@ -1,0 +1,271 @@
+"""Write the lab report from the runs on disk: report/REPORT.md with PNG figures beside it.
+
+    python report.py                         # newest run of each kind under runs/
+    python report.py --lenet runs/lenet-relu-20261121-120000 --gpt-bench runs/bench-gpt-tiny-2xcpu
+
+Sections whose runs are missing or unreadable say so, and which command produces them; never a traceback.
+"""
+
+import argparse
+import json
+import sys
+import traceback
+from datetime import datetime
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def newest(paths):
+    paths = [p for p in paths if p.exists()]
+    return max(paths, key=lambda p: p.stat().st_mtime) if paths else None
+
+
+def lenet_runs(runs: Path) -> list[Path]:
+    """Run folders of fabric_lenet.py: a config.json with an `activation` field."""
+    return [p for p in runs.iterdir() if p.is_dir() and "activation" in (load_json(p / "config.json") or {})]
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of one TensorBoard scalar, read with TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    points = {}
+    for events in sorted(run_dir.glob("events.out.tfevents.*")):  # a resumed run adds a file; later wins
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("scalars", []):
+            points.update({e.step: e.value for e in acc.Scalars(tag)})
+    return sorted(points.items())
+
+
+class Report:
+    def __init__(self, out: Path):
+        self.out, self.lines = out, []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def figure(self, fig, name: str, caption: str) -> None:
+        fig.tight_layout()
+        fig.savefig(self.out / name, dpi=110)
+        plt.close(fig)
+        self.add(f"![{caption}]({name})", "")
+
+    def note(self, text: str) -> None:
+        self.add(f"> **Note:** {text}", "")
+
+    def section(self, title: str, build, *args) -> None:
+        """Build one section; any failure becomes a note naming the cause instead of a traceback."""
+        self.add(f"## {title}", "")
+        try:
+            build(self, *args)
+        except Exception as e:  # a run from an older version, a half-written file: say so and go on
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            self.note(f"this section could not be built ({type(e).__name__}: {e}, at {Path(where.filename).name}:"
+                      f"{where.lineno}); the run may be from an older version of the scripts or half-written.")
+
+    def write(self) -> Path:
+        path = self.out / "REPORT.md"
+        path.write_text("\n".join(self.lines) + "\n")
+        return path
+
+
+# ----------------------------------------------------------------------------- sections
+def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
+    candidates = lenet_runs(runs) if runs.is_dir() else []
+    complete = [p for p in candidates if (p / "summary.json").exists()]
+    for p in sorted(set(candidates) - set(complete)):
+        rep.note(f"run `{p.name}` has no summary.json: it was interrupted or is still running. "
+                 f"Continue it with `make lenet RESUME=auto RUN={p.name}`.")
+    run = chosen or newest([p / "summary.json" for p in complete])
+    run = run.parent if run and run.name == "summary.json" else run
+    if run is None:
+        rep.note("no finished LeNet-5 run under runs/. Produce one with `make lenet`.")
+        return
+    s = load_json(run / "summary.json")
+    if s is None:
+        rep.note(f"`{run}/summary.json` is missing or unreadable. Re-run with `make lenet RUN={run.name}`.")
+        return
+    cfg = s["config"]
+    rep.add(f"Run `{run.name}`: activation **{cfg['activation']}**, {s['epochs']} epochs, batch {cfg['batch_size']}, "
+            f"{cfg['optimizer']} lr {cfg['lr']} ({cfg['schedule']}), precision {cfg['precision']}, "
+            f"{s['world_size']} process(es) on {s['device']}.", "",
+            f"**Test accuracy: {100 * s['test_acc']:.2f}%** (test loss {s['test_loss']:.4f}), "
+            f"{s['train_time_s']:.1f} s of training, {s['samples_per_s']:,.0f} samples/s.", "",
+            "Steps of the experiment: parse the MNIST IDX files (datasets_local.py), train LeNet-5 through Fabric "
+            "with the settings above, evaluate on the 10,000 test images after every epoch, log to TensorBoard, "
+            "checkpoint every epoch.", "")
+    loss = scalars(run, "train/loss")
+    acc = [(h["step"], h["test_acc"]) for h in s["history"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    if loss:
+        a.plot(*zip(*loss), lw=1)
+    else:
+        a.plot([h["step"] for h in s["epoch_history"]], [h["train_loss"] for h in s["epoch_history"]], marker="o")
+    a.set(xlabel="step", ylabel="cross-entropy", title="training loss", yscale="log")
+    b.plot(*zip(*[(st, 100 * v) for st, v in acc]), marker="o")
+    b.set(xlabel="step", ylabel="%", title="test accuracy")
+    rep.figure(fig, "lenet_curves.png", "LeNet-5 training loss and test accuracy")
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.bar(range(10), [100 * a for a in s["per_class_acc"]])
+    ax.set(xticks=range(10), xlabel="digit", ylabel="%", ylim=(min(95.0, 100 * min(s["per_class_acc"]) - 1), 100),
+           title="per-class test accuracy")
+    rep.figure(fig, "lenet_per_class.png", "per-class accuracy")
+    rep.add("| digit | " + " | ".join(map(str, range(10))) + " |", "|---" * 11 + "|",
+            "| accuracy | " + " | ".join(f"{100 * a:.2f}%" for a in s["per_class_acc"]) + " |", "")
+
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    im = ax.imshow(s["confusion"], cmap="Blues", norm=matplotlib.colors.LogNorm(vmin=1))
+    for i, row in enumerate(s["confusion"]):
+        for j, v in enumerate(row):
+            if v:
+                ax.text(j, i, v, ha="center", va="center", fontsize=6, color="white" if i == j else "black")
+    ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true", title="confusion matrix")
+    fig.colorbar(im)
+    rep.figure(fig, "lenet_confusion.png", "confusion matrix")
+
+    rep.add("### Activations compared", "", "The newest finished run of each activation:", "",
+            "| activation | run | test acc | epochs | train s | samples/s |", "|---|---|---|---|---|---|")
+    by_act = {}
+    for p in sorted(complete, key=lambda p: (p / "summary.json").stat().st_mtime):
+        summary = load_json(p / "summary.json")
+        if summary and "config" in summary:
+            by_act[summary["config"]["activation"]] = (p, summary)
+    for act, (p, r) in sorted(by_act.items()):
+        rep.add(f"| {act} | `{p.name}` | {100 * r['test_acc']:.2f}% | {r['epochs']} | {r['train_time_s']:.1f} | "
+                f"{r['samples_per_s']:,.0f} |")
+    rep.add("")
+    missing = [a for a in ("relu", "gelu_torch", "gelu_py", "gelu_cpp") if a not in by_act]
+    if missing:
+        rep.note("no run yet for " + ", ".join(missing) + "; produce them with "
+                 + ", ".join(f"`make lenet ACT={a}`" for a in missing) + ".")
+
+
+def section_lenet_bench(rep: Report, runs: Path) -> None:
+    table = runs / "bench-lenet" / "table.md"
+    if not table.exists():
+        rep.note("no LeNet-5 benchmark yet. Produce it with `make bench-lenet`.")
+        return
+    rep.add(table.read_text(), "")
+
+
+def section_gelu(rep: Report, runs: Path) -> None:
+    check, bench = load_json(runs / "gelu" / "check.json"), load_json(runs / "gelu" / "bench.json")
+    if check is None:
+        rep.note("no GELU verification yet. Produce it with `make gelu-check`.")
+    else:
+        rep.add("Largest differences from `torch.nn.functional.gelu` (forward and input gradient), and "
+                "`torch.autograd.gradcheck` in float64:", "",
+                "| impl | approximate | dtype | max abs err (y) | max abs err (dx) | gradcheck |", "|---|---|---|---|---|---|")
+        for r in check["rows"]:
+            rep.add(f"| {r['impl']} | {r['approximate']} | {r['dtype']} | {r['forward_max_abs_err']:.2e} | "
+                    f"{r['grad_max_abs_err']:.2e} | {'passed' if r['gradcheck_float64'] else 'FAILED'} |")
+        rep.add("")
+    if bench is None:
+        rep.note("no GELU benchmark yet. Produce it with `make bench-gelu`.")
+    else:
+        rep.add(f"Forward+backward on {bench['numel']:,} float32 elements (median of {bench['repeats']}):", "",
+                "| approximate | impl | ms | vs F.gelu |", "|---|---|---|---|")
+        for r in bench["rows"]:
+            rep.add(f"| {r['approximate']} | {r['impl']} | {r['ms']:.2f} | {r['ratio']:.2f}x |")
+        rep.add("")
+
+
+def section_gpt(rep: Report, runs: Path, chosen: Path | None) -> None:
+    bench_dir = chosen or newest(list(runs.glob("bench-gpt-*/bench.json")) if runs.is_dir() else [])
+    bench_dir = bench_dir.parent if bench_dir and bench_dir.name == "bench.json" else bench_dir
+    if bench_dir is None:
+        rep.note("no strategy comparison yet. Produce it with `make bench-gpt` (e.g. `make bench-gpt MODEL=tiny "
+                 "DEVICES=2 ACCELERATOR=cpu`, or `MODEL=1.6b DEVICES=8` on GPUs).")
+        return
+    bench = load_json(bench_dir / "bench.json")
+    if bench is None:
+        rep.note(f"`{bench_dir}/bench.json` is unreadable; re-run `make bench-gpt`.")
+        return
+    ok = [r for r in bench["rows"] if r["record"]]
+    if not ok:
+        rep.note(f"every run of `{bench_dir.name}` failed; see its table.md for the errors.")
+        return
+    first = ok[0]["record"]
+    rep.add(f"Sweep `{bench_dir.name}`: model **{first['model']}** ({first['n_params'] / 1e6:,.2f}M parameters) on "
+            f"**{first['device_name']}**, the same {bench['args']['num_samples']} samples and global batch for every row.",
+            "", (bench_dir / "table.md").read_text(), "")
+    labels = [f"{r['strategy']}\n{r['precision']}" for r in ok]
+    recs = [r["record"] for r in ok]
+    mem = [r["memory"].get("max_allocated_gb", r["memory"].get("max_rss_gb", 0)) for r in recs]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    axes[0, 0].bar(labels, [r["tokens_per_s"] for r in recs])
+    axes[0, 0].set(title="throughput (tokens/s)")
+    has_mfu = all(r["mfu"] is not None for r in recs)
+    axes[0, 1].bar(labels, [100 * r["mfu"] if has_mfu else r["tflops_per_device"] for r in recs])
+    axes[0, 1].set(title="MFU (%)" if has_mfu else "TFLOPS per device (MFU unknown on this device)")
+    x = range(len(recs))
+    axes[1, 0].bar([i - 0.2 for i in x], mem, width=0.4, label="measured peak")
+    axes[1, 0].bar([i + 0.2 for i in x], [r["planned_gb"] for r in recs], width=0.4, label="planned")
+    axes[1, 0].set(title="memory per device (GiB; CPU: process peak RSS)", xticks=list(x), xticklabels=labels)
+    axes[1, 0].legend()
+    singles = {r["precision"]: r["record"]["tokens_per_s"] for r in ok if r["strategy"] == "auto"}
+    axes[1, 1].bar(labels, [r["record"]["tokens_per_s"] / singles.get(r["precision"], float("nan")) for r in ok])
+    axes[1, 1].axhline(1, color="gray", lw=0.8)
+    axes[1, 1].set(title="speed-up over one device (same precision)")
+    for ax in axes.flat:
+        ax.tick_params(axis="x", labelsize=7, rotation=45)
+    rep.figure(fig, "gpt_strategies.png", "strategy comparison")
+
+
+def section_environment(rep: Report, runs: Path) -> None:
+    records = [p for p in (list(runs.glob("*/summary.json")) + list(runs.glob("*/*/record.json"))
+                           + list(runs.glob("*/record.json"))) if runs.is_dir()]
+    env = None
+    for path in sorted(records, key=lambda p: p.stat().st_mtime, reverse=True):
+        env = (load_json(path) or {}).get("env")
+        if env:
+            rep.add(f"As recorded by `{path.parent.name}`:", "")
+            break
+    if env is None:
+        from run_state import environment
+
+        env = environment()
+        rep.add("No run recorded its environment; this is the machine writing the report:", "")
+    rep.add("| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in env.items()], "")
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="runs", help="folder holding the runs")
+    parser.add_argument("--out", default="report", help="folder for REPORT.md and the figures")
+    parser.add_argument("--lenet", default=None, help="a LeNet run folder (default: the newest finished one)")
+    parser.add_argument("--gpt-bench", default=None, help="a bench-gpt-* folder (default: the newest)")
+    args = parser.parse_args(argv)
+    runs = Path(args.runs)
+    rep = Report(Path(args.out))
+    rep.add("# fabric-lab report", "", f"Written by `make report` on {datetime.now():%Y-%m-%d %H:%M} from `{runs}/`; "
+            "every figure below comes from a run on disk.", "")
+    if not runs.is_dir() or not any(runs.iterdir()):
+        rep.note(f"`{runs}/` is empty or missing: nothing has run yet. Start with `make lenet`.")
+    rep.section("LeNet-5 on MNIST", section_lenet, runs, Path(args.lenet) if args.lenet else None)
+    rep.section("LeNet-5 benchmark", section_lenet_bench, runs)
+    rep.section("GELU operator", section_gelu, runs)
+    rep.section("GPT-2: strategies compared", section_gpt, runs, Path(args.gpt_bench) if args.gpt_bench else None)
+    rep.section("Environment", section_environment, runs)
+    path = rep.write()
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
