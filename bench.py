@@ -48,7 +48,7 @@ def bench_lenet(args) -> None:
         "memory_b64": ["--data", "memory", "--batch-size", "64", "--epochs", "1", "--max-steps", str(args.steps)],
         "memory_default": ["--epochs", "1", "--max-steps", str(args.steps)],
         "default_8_epochs": ["--eval-every", "117"],      # time to 99.0%, test accuracy 4 times an epoch
-        "short_2_epochs": ["--epochs", "2", "--eval-every", "117"],
+        "short_2_epochs": ["--epochs", "2", "--no-augment", "--eval-every", "117"],  # reaches 99.0% sooner
     }
     results = {}
     for name in progress(list(cases), "lenet bench"):

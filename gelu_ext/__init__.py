@@ -123,16 +123,32 @@ def load_cpp(verbose: bool = False) -> None:
     _loaded = True
 
 
+def _is_dense(x: torch.Tensor) -> bool:
+    """Python's twin of at::Tensor::is_non_overlapping_and_dense: strides that tile the storage exactly."""
+    if x.numel() <= 1:
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _register_python_side() -> None:
     """Fake (meta) kernel for torch.compile and the meta device, and autograd through the C++ backward."""
 
+    def like(x, same_strides=True):  # the C++ kernels keep a dense input's layout, else return contiguous
+        dense = same_strides and _is_dense(x)
+        return torch.empty_like(x, memory_format=torch.preserve_format if dense else torch.contiguous_format)
+
     @torch.library.register_fake("gelu_ext::gelu_forward")
     def _(x, approximate):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return like(x)
 
     @torch.library.register_fake("gelu_ext::gelu_backward")
     def _(grad, x, approximate):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return like(x, grad.stride() == x.stride())
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])

@@ -83,11 +83,17 @@ at::Tensor widen(const at::Tensor& t) {
   return (st == at::kHalf || st == at::kBFloat16) ? t.to(at::kFloat) : t;
 }
 
+// Elementwise work can run over the storage of any dense layout (e.g. channels_last activations of a
+// conv net) without a copy; only overlapping or gapped views are made contiguous first.
+at::Tensor dense(const at::Tensor& t) {
+  return t.is_non_overlapping_and_dense() ? t : t.contiguous();
+}
+
 at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
   check_input(input, "input");
   const bool tanh_approx = is_tanh(approximate);
-  auto x = widen(input).contiguous();
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto x = dense(widen(input));
+  auto y = at::empty_like(x);  // the same strides as x, so y[i] and x[i] share a storage offset
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_forward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
@@ -105,9 +111,13 @@ at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, st
   TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
               " differs from input shape ", input.sizes());
   const bool tanh_approx = is_tanh(approximate);
-  auto x = widen(input).contiguous();
-  auto g = widen(grad).to(x.scalar_type()).contiguous();
-  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto x = dense(widen(input));
+  auto g = widen(grad).to(x.scalar_type());
+  if (g.strides() != x.strides()) {  // walk both storages in the same order
+    x = x.contiguous();
+    g = g.contiguous();
+  }
+  auto dx = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_backward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* gp = g.const_data_ptr<scalar_t>();

@@ -116,3 +116,16 @@ def test_module_choices():
         torch.testing.assert_close(GELU(impl, "tanh")(x), F.gelu(x, approximate="tanh"))
     with pytest.raises(ValueError, match="impl"):
         GELU("cuda")
+
+
+def test_channels_last_keeps_its_layout_without_copies():
+    x = torch.randn(4, 6, 5, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = gelu_cpp(x, "none")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.gelu(x))
+    y.backward(torch.ones_like(y))
+    ref = x.detach().clone().requires_grad_()
+    F.gelu(ref).backward(torch.ones_like(ref))
+    torch.testing.assert_close(x.grad, ref.grad)
+    torch.library.opcheck(torch.ops.gelu_ext.gelu_forward.default, (x.detach().double(), "tanh"))
+    torch.library.opcheck(torch.ops.gelu_ext.gelu_backward.default, (torch.randn(3, 4).t(), torch.randn(3, 4).t(), "none"))

@@ -144,3 +144,17 @@ def test_unknown_preset_and_strategy_are_argparse_errors():
     for args in (["--model", "gpt5"], ["--strategy", "zero4"], ["--precision", "fp8"]):
         proc = run_script("fabric_gpt.py", *args, check=False, timeout=120)
         assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_zero3_checkpoint_converts_to_one_ordinary_state_dict(tmp_path):
+    """The README's recipe: DeepSpeed's zero_to_fp32 gathers the shards into a plain GPT-2 state dict."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    run_gpt(tmp_path, "z3", "--strategy", "deepspeed_stage_3", "--devices", "2", "--micro-batch-size", "2", "--steps", "2")
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "z3" / "checkpoints" / "step-00000002" / "state"))
+    cfg = gpt.resolve(gpt.Config(model="tiny"))
+    model = gpt.build_model(cfg)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the token embedding
+    assert all(torch.isfinite(t).all() for t in state_dict.values())
+    assert not torch.equal(model.transformer.h[0].attn.c_attn.weight, gpt.build_model(cfg).transformer.h[0].attn.c_attn.weight)
