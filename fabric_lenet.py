@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 import datasets_local
+from gelu_ext import GeluBuildError
 from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
                        nonfinite_message, progress_bar, write_json_atomic)
 
@@ -428,9 +429,7 @@ def main(argv=None) -> dict:
         if cfg.resume and not cfg.run_name:
             cfg.run_name = find_run_to_resume(cfg) if cfg.resume == "auto" else Path(cfg.resume).resolve().parent.parent.name
         return run(cfg)
-    except (ConfigError, ResumeError, NonFiniteLoss, datasets_local.MNISTError) as e:
-        sys.exit(f"error: {e}")
-    except ImportError as e:
+    except (ConfigError, ResumeError, NonFiniteLoss, GeluBuildError, datasets_local.MNISTError) as e:
         sys.exit(f"error: {e}")
 
 
