@@ -123,7 +123,7 @@ def write_table(out: Path, args, rows: list) -> None:
         speedup = f"{rec['tokens_per_s'] / base:.2f}x" if base else "n/a"
         lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {1e3 * rec['step_time_s']:.1f} | "
                      f"{rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | {mem:.2f} | "
-                     f"{rec['planned_gb']:.2f} | {speedup} |")
+                     f"{rec['planned_gb']:.3g} | {speedup} |")
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")

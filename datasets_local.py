@@ -11,7 +11,6 @@ import argparse
 import gzip
 import hashlib
 import os
-import shutil
 import sys
 import tempfile
 import urllib.parse

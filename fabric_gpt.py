@@ -9,7 +9,6 @@ activation checkpointing, offload, with honest time/throughput/TFLOPS/MFU/memory
 Every run writes runs/<run-name>/record.json (config, versions, device, figures) and TensorBoard events.
 """
 
-import argparse
 import dataclasses
 import itertools
 import math
@@ -28,7 +27,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
-                       nonfinite_message, write_json_atomic)
+                       nonfinite_message, parse_config, resume_run_name, write_json_atomic)
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
 PRESETS = {
@@ -131,7 +130,8 @@ def gpt2_config(cfg: Config):
 
     return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
                       vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                      attn_pdrop=cfg.dropout, use_cache=False)
+                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
+                      eos_token_id=cfg.vocab_size - 1)
 
 
 def build_model(cfg: Config):
@@ -303,7 +303,7 @@ def device_memory(cfg: Config) -> float | None:
 
 
 def print_plan(cfg: Config, plan: dict) -> None:
-    gib = lambda b: f"{b / 2**30:9.2f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / 2**30:9.2f} GiB" if b >= 2**30 or b == 0 else f"{b / 2**20:9.2f} MiB"  # noqa: E731
     print(f"memory plan: {cfg.model} ({plan['n_params'] / 1e6:,.1f}M parameters), {cfg.strategy}, {cfg.precision}, "
           f"{world_size(cfg)} device(s), micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens")
     for key in ("params", "grads", "optimizer", "gathered_layer"):
@@ -496,15 +496,8 @@ def validate(cfg: Config) -> None:
 
 
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    choices = {"model": tuple(PRESETS), "strategy": STRATEGIES, "precision": PRECISIONS, "dataset": ("random", "ramp")}
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices.get(f.name))
-    return Config(**vars(parser.parse_args(argv)))
+    return parse_config(Config, argv, __doc__, {"model": tuple(PRESETS), "strategy": STRATEGIES, "precision": PRECISIONS,
+               "dataset": ("random", "ramp")})
 
 
 def main(argv=None):
@@ -516,18 +509,10 @@ def main(argv=None):
             print_plan(cfg, plan)
             return plan
         if cfg.resume and not cfg.run_name:
-            cfg.run_name = find_run_to_resume(cfg) if cfg.resume == "auto" else Path(cfg.resume).resolve().parent.parent.name
+            cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, "gpt")
         return run(cfg)
     except (ConfigError, ResumeError, NonFiniteLoss) as e:
         sys.exit(f"error: {e}")
-
-
-def find_run_to_resume(cfg: Config) -> str:
-    runs = [p.parent.parent for p in Path(cfg.out_dir).glob("gpt-*/checkpoints/step-*") if p.is_dir()]
-    if not runs:
-        raise ResumeError(f"--resume auto: no GPT run with a checkpoint under {cfg.out_dir}/. "
-                          "Fix: start a run without --resume, or pass --run-name of a run that has one.")
-    return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
 
 
 def run(cfg: Config) -> dict:

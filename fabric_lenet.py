@@ -8,13 +8,12 @@
 Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json and summary.json.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 import datasets_local
 from gelu_ext import GeluBuildError
 from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
-                       nonfinite_message, progress_bar, write_json_atomic)
+                       nonfinite_message, parse_config, progress_bar, resume_run_name, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -402,24 +401,7 @@ def validate(cfg: Config) -> None:
 
 
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    choices = {"activation": ACTIVATIONS, "strategy": STRATEGIES, "precision": PRECISIONS}
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices.get(f.name))
-    return Config(**vars(parser.parse_args(argv)))
-
-
-def find_run_to_resume(cfg: Config) -> str:
-    """`--resume auto` without --run-name continues the newest lenet run that has a checkpoint."""
-    runs = [p.parent.parent for p in Path(cfg.out_dir).glob("lenet-*/checkpoints/step-*") if p.is_dir()]
-    if not runs:
-        raise ResumeError(f"--resume auto: no LeNet run with a checkpoint under {cfg.out_dir}/. "
-                          "Fix: start a run without --resume, or pass --run-name of a run that has one.")
-    return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
+    return parse_config(Config, argv, __doc__, {"activation": ACTIVATIONS, "strategy": STRATEGIES, "precision": PRECISIONS})
 
 
 def main(argv=None) -> dict:
@@ -427,7 +409,7 @@ def main(argv=None) -> dict:
     try:
         validate(cfg)
         if cfg.resume and not cfg.run_name:
-            cfg.run_name = find_run_to_resume(cfg) if cfg.resume == "auto" else Path(cfg.resume).resolve().parent.parent.name
+            cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, "lenet")
         return run(cfg)
     except (ConfigError, ResumeError, NonFiniteLoss, GeluBuildError, datasets_local.MNISTError) as e:
         sys.exit(f"error: {e}")

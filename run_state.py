@@ -130,6 +130,35 @@ class Checkpoints:
         fabric.print(f"warning: skipping checkpoint {path}: {why}", file=sys.stderr)
 
 
+def resume_run_name(resume: str, out_dir: str, prefix: str) -> str:
+    """The run a --resume refers to: a checkpoint folder's run, or for `auto` the newest `<prefix>-*` run
+    under out_dir that has a complete checkpoint."""
+    if resume != "auto":
+        return Path(resume).resolve().parent.parent.name  # <out_dir>/<run>/checkpoints/step-N
+    runs = [p.parent.parent for p in Path(out_dir).glob(f"{prefix}-*/checkpoints/step-*")
+            if p.is_dir() and not p.name.endswith(PARTIAL)]
+    if not runs:
+        raise ResumeError(f"--resume auto: no {prefix} run with a checkpoint under {out_dir}/. "
+                          "Fix: start a run without --resume, or pass --run-name of a run that has one.")
+    return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
+
+
+def parse_config(config_class, argv, description: str, choices: dict):
+    """argparse built from a config dataclass: one flag per field (--some-field), its default and type,
+    `choices` where given, --x/--no-x for booleans."""
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(config_class):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices.get(f.name))
+    return config_class(**vars(parser.parse_args(argv)))
+
+
 def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str) -> None:
     """Refuse to continue a checkpoint under settings that change what it means; list every difference."""
     diffs = {k: (saved.get(k), current.get(k)) for k in current

@@ -60,35 +60,37 @@ def check(args) -> int:
     return 0 if all(r["gradcheck_float64"] for r in rows) else 1
 
 
-def time_forward_backward(fn, x: torch.Tensor, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of one forward+backward; the upstream gradient is allocated once, outside the clock."""
+def time_interleaved(fns: dict, x: torch.Tensor, repeats: int, warmup: int = 3) -> dict:
+    """Median seconds of one forward+backward per implementation. The implementations take turns within
+    each repetition, so a noisy neighbour on the machine slows all of them alike; the upstream gradient is
+    allocated once, outside the clock."""
     grad = torch.ones_like(x)
-    times = []
+    times = {name: [] for name in fns}
     for i in range(warmup + repeats):
-        xi = x.detach().requires_grad_()
-        start = time.perf_counter()
-        fn(xi).backward(grad)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            xi = x.detach().requires_grad_()
+            start = time.perf_counter()
+            fn(xi).backward(grad)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(args) -> int:
     load_cpp()
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     rows = []
-    print(f"forward+backward of {args.numel:,} float32 elements, median of {args.repeats} after warm-up, "
-          f"{torch.get_num_threads()} threads")
+    print(f"forward+backward of {args.numel:,} float32 elements, median of {args.repeats} interleaved repetitions "
+          f"after warm-up, {torch.get_num_threads()} threads")
     print(f"{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}")
     for approximate in APPROXIMATIONS:
         impls = {"F.gelu": lambda t: F.gelu(t, approximate=approximate),
                  "gelu_py": lambda t: gelu_py(t, approximate), "gelu_cpp": lambda t: gelu_cpp(t, approximate)}
-        native = None
-        for name, fn in impls.items():
-            seconds = time_forward_backward(fn, x, args.repeats)
-            native = native or seconds
-            rows.append({"approximate": approximate, "impl": name, "ms": 1e3 * seconds, "ratio": seconds / native})
-            print(f"{approximate:<7}{name:<13}{1e3 * seconds:>9.2f}{seconds / native:>10.2f}x")
+        seconds = time_interleaved(impls, x, args.repeats)
+        for name, sec in seconds.items():
+            ratio = sec / seconds["F.gelu"]
+            rows.append({"approximate": approximate, "impl": name, "ms": 1e3 * sec, "ratio": ratio})
+            print(f"{approximate:<7}{name:<13}{1e3 * sec:>9.2f}{ratio:>10.2f}x")
     write_json_atomic(f"{args.out}/bench.json", {"numel": args.numel, "repeats": args.repeats, "rows": rows,
                                                  "env": environment()})
     print(f"wrote {args.out}/bench.json")
@@ -99,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("command", choices=("check", "bench"))
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="bench: elements of the test tensor")
-    parser.add_argument("--repeats", type=int, default=15, help="bench: timed repetitions")
+    parser.add_argument("--repeats", type=int, default=21, help="bench: timed repetitions")
     parser.add_argument("--out", default="runs/gelu", help="folder for the JSON record")
     args = parser.parse_args()
     try:

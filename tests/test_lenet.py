@@ -1,6 +1,5 @@
 """fabric_lenet.py: the model, real training on real MNIST, 2-process DDP against 1 process, bad flags."""
 
-import json
 
 import pytest
 import torch
@@ -69,7 +68,7 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     run_script("fabric_lenet.py", "--activation", "gelu_cpp", "--epochs", "1", "--train-samples", "12000",
                "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "gelu")
     s = read_summary(tmp_path / "gelu")
-    first, last = s["history"][0], s["history"][-1]
+    last = s["history"][-1]
     assert s["test_acc"] > 0.9 and s["config"]["activation"] == "gelu_cpp"
     assert last["train_loss"] < 2.3  # below chance-level cross-entropy, ln(10)
 

@@ -99,7 +99,7 @@ def test_resume_with_other_settings_is_refused(mnist_dir, tmp_path):
 
 def test_resume_without_checkpoint_is_one_clear_error(tmp_path):
     proc = run_script("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path, check=False)
-    assert proc.returncode == 1 and "no LeNet run with a checkpoint" in proc.stderr
+    assert proc.returncode == 1 and "no lenet run with a checkpoint" in proc.stderr
 
 
 def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
