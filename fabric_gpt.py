@@ -529,6 +529,8 @@ def run(cfg: Config) -> dict:
     plan = memory_plan(cfg, n_params, largest_layer_params(cfg))
     model = build_model(cfg)
     optimizer = make_optimizer(cfg, model, fabric.device)
+    if cfg.compile:
+        model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
     model, optimizer = fabric.setup(model, optimizer)  # jointly: DeepSpeed wraps both in one engine
     loader = fabric.setup_dataloaders(DataLoader(make_dataset(cfg), batch_size=cfg.micro_batch_size, shuffle=False))
     # The schedule spans all of num_samples; --steps only ends the run early (it can be resumed further).

@@ -46,12 +46,24 @@ def single(tmp_path_factory):
     return run_gpt(out, "single", "--micro-batch-size", "4")
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """Losses of 6-step runs on 2 processes, by strategy, made once and shared by the parity and resume tests."""
+    out, cache = tmp_path_factory.mktemp("two"), {}
+
+    def losses_of(strategy):
+        if strategy not in cache:
+            cache[strategy] = run_gpt(out, strategy, "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2")
+        return cache[strategy]
+    return losses_of
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_2_offload",
                                       "deepspeed_stage_3_offload"])
-def test_strategies_match_single_process(single, tmp_path, strategy):
+def test_strategies_match_single_process(single, two_process_runs, strategy):
     """Same seed, same data, same global batch: the first loss equal, the following ones within float
     tolerance (they depend on each strategy's optimizer and gradient reduction being right)."""
-    got = run_gpt(tmp_path, strategy, "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2")
+    got = two_process_runs(strategy)
     assert got[0] == pytest.approx(single[0], abs=1e-5)
     assert got == pytest.approx(single, rel=2e-3), (got, single)
     assert got[-1] < got[0] - 0.5  # it learned
@@ -82,9 +94,9 @@ def test_gradient_checkpointing_leaves_loss_and_gradients_unchanged():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2", "deepspeed_stage_3"])
-def test_checkpoint_saves_and_resumes(tmp_path, strategy):
+def test_checkpoint_saves_and_resumes(tmp_path, two_process_runs, strategy):
     args = ["--strategy", strategy, "--devices", "2", "--micro-batch-size", "2"]
-    whole = run_gpt(tmp_path, "whole", *args)
+    whole = two_process_runs(strategy)  # the same flags, never interrupted
     run_gpt(tmp_path, "cut", *args, "--steps", "3")  # ends early; the schedule still spans all 6 steps
     ckpt = tmp_path / "cut" / "checkpoints" / "step-00000003"
     assert (ckpt / "config.json").exists() and (ckpt / "state").exists()
@@ -133,17 +145,21 @@ def test_plan_answers_which_strategy_fits(tmp_path):
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
     (["--precision", "16-mixed", "--accelerator", "cpu"], "needs a GPU"),
 ])
-def test_bad_inputs_fail_before_any_model_is_built(tmp_path, args, words):
-    proc = run_script("fabric_gpt.py", *args, "--out-dir", tmp_path, check=False, timeout=120)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith("error:") and words in last, proc.stderr[-2000:]
-    assert not list(tmp_path.iterdir())
+def test_bad_inputs_fail_before_any_model_is_built(tmp_path, monkeypatch, args, words):
+    built = []
+    monkeypatch.setattr(gpt, "build_model", lambda cfg: built.append(cfg))  # would record any model built
+    with pytest.raises(SystemExit) as exit_:
+        gpt.main([*args, "--out-dir", str(tmp_path)])
+    message = str(exit_.value.code)
+    assert message.startswith("error:") and words in message and "\n" not in message
+    assert not built and not list(tmp_path.iterdir())
 
 
-def test_unknown_preset_and_strategy_are_argparse_errors():
-    for args in (["--model", "gpt5"], ["--strategy", "zero4"], ["--precision", "fp8"]):
-        proc = run_script("fabric_gpt.py", *args, check=False, timeout=120)
-        assert proc.returncode == 2 and "invalid choice" in proc.stderr
+@pytest.mark.parametrize("args", [["--model", "gpt5"], ["--strategy", "zero4"], ["--precision", "fp8"]])
+def test_unknown_preset_strategy_precision_are_argparse_errors(capsys, args):
+    with pytest.raises(SystemExit) as exit_:
+        gpt.parse_args(args)
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
 def test_zero3_checkpoint_converts_to_one_ordinary_state_dict(tmp_path):
