@@ -12,7 +12,6 @@ Every run writes runs/<run-name>/record.json (config, versions, device, figures)
 import dataclasses
 import itertools
 import math
-import os
 import resource
 import sys
 import time
@@ -26,8 +25,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
-                       nonfinite_message, parse_config, resume_run_name, write_json_atomic)
+from run_state import (Checkpoints, ConfigError, NonFiniteLoss, ResumeError, StopRequest, check_hardware,
+                       check_same_experiment, environment, nonfinite_message, parse_config, resume_run_name, write_json_atomic)
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
 PRESETS = {
@@ -98,10 +97,6 @@ class Config:
 
 RUNTIME_FIELDS = {"compile", "timing_warmup", "log_every", "plan", "device_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path"}
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def resolve(cfg: Config) -> Config:
@@ -395,7 +390,7 @@ def train(fabric: Fabric, cfg: Config, model, optimizer, loader, state: dict, ck
                 raise NonFiniteLoss(nonfinite_message(loss_value, step, f"of {total_steps}", last_ckpt, cfg.precision))
             progress["losses"].append([step, loss_value])
             log_step(fabric, logger, cfg, step, total_steps, loss_value, step_time, tokens_per_step, flops)
-        stopping = stop.requested(fabric)
+        (stopping,) = stop.requested(fabric)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping or step == stop_at:
             last_ckpt = ckpts.save(fabric, state, step, dataclasses.asdict(cfg))
         if stopping:
@@ -474,20 +469,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--nvme-path offloads through DeepSpeed ZeRO-3: use it with --strategy deepspeed_stage_3_offload")
     if cfg.plan:
         return
-    gpu = cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and torch.cuda.is_available())
-    if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError("--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
-    if gpu and cfg.devices > torch.cuda.device_count():
-        raise ConfigError(f"--devices {cfg.devices}: only {torch.cuda.device_count()} GPU(s) visible")
-    if not gpu and cfg.devices > (os.cpu_count() or 1):
-        raise ConfigError(f"--devices {cfg.devices}: this machine has {os.cpu_count()} CPU cores; use at most that many processes")
+    gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
     if is_deepspeed(cfg) and not gpu and not deepspeed_allowed_on_cpu():
         raise ConfigError(f"--strategy {cfg.strategy} needs CUDA GPUs (Lightning runs DeepSpeed on CUDA only); "
                           "on CPU use --strategy ddp or auto, or run --plan to size it for GPUs")
     if cfg.strategy == "fsdp" and not gpu:
         raise ConfigError("--strategy fsdp is set up for CUDA GPUs here; on CPU use --strategy ddp")
-    if cfg.precision == "16-mixed" and not gpu:
-        raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
     per_step = cfg.micro_batch_size * cfg.grad_accum * world_size(cfg)
     if cfg.num_samples % per_step:
         raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "

@@ -29,8 +29,9 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 import datasets_local
 from gelu_ext import GeluBuildError
-from run_state import (Checkpoints, NonFiniteLoss, ResumeError, StopRequest, check_same_experiment, environment,
-                       nonfinite_message, parse_config, progress_bar, resume_run_name, write_json_atomic)
+from run_state import (Checkpoints, ConfigError, NonFiniteLoss, ResumeError, StopRequest, check_hardware,
+                       check_same_experiment, environment, nonfinite_message, parse_config, progress_bar,
+                       resume_run_name, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -80,10 +81,6 @@ class Config:
 RUNTIME_FIELDS = {"channels_last", "accelerator", "devices", "num_nodes", "strategy", "compile", "data", "num_workers", "data_dir",
                   "mirror", "out_dir", "run_name", "log_every", "eval_every", "checkpoint_every", "keep_last",
                   "resume", "tb_images", "max_steps"}
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # ----------------------------------------------------------------------------- model
@@ -243,19 +240,23 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
             progress["step_in_epoch"] += 1
             progress["global_step"] += 1
             step, seen = progress["global_step"], seen + len(yb) * world
+            loss_value = math.nan
             if step % check_every == 0 or step % cfg.log_every == 0:
-                loss_value = float(loss.detach())  # the step's loss (rank 0's shard) without a second pass
-                if not math.isfinite(loss_value):
-                    raise NonFiniteLoss(nonfinite_message(loss_value, step, f"epoch {epoch + 1}", last_ckpt, cfg.precision))
-                progress["loss_sum"] += loss_value * len(yb)
-                progress["loss_count"] += len(yb)
+                loss_value = float(loss.detach())  # this rank's shard; the running mean uses rank 0's
+                if math.isfinite(loss_value):
+                    progress["loss_sum"] += loss_value * len(yb)
+                    progress["loss_count"] += len(yb)
                 if step % cfg.log_every == 0:
                     logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
+            # One all-reduce answers both: did any rank get a stop signal, or a non-finite loss?
+            stopping, nonfinite = stop.requested(fabric, step % check_every == 0 and not math.isfinite(loss_value))
+            if nonfinite:
+                bad = loss_value if not math.isfinite(loss_value) else math.nan  # another rank may have seen it
+                raise NonFiniteLoss(nonfinite_message(bad, step, f"epoch {epoch + 1}", last_ckpt, cfg.precision))
             if cfg.eval_every and step % cfg.eval_every == 0:
                 with clock.paused():
                     log_eval(fabric, logger, history, evaluate(fabric, model, test_tensors), epoch, step,
                              progress["train_time_s"])
-            stopping = stop.requested(fabric)
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping:
                 with clock.paused():
                     last_ckpt = ckpts.save(fabric, state, step, dataclasses.asdict(cfg))
@@ -380,18 +381,12 @@ def validate(cfg: Config) -> None:
     if cfg.batch_size % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
                           f"{world} processes; use a multiple of {world}")
-    gpu = cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and torch.cuda.is_available())
-    if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError("--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
-    if gpu and cfg.devices > torch.cuda.device_count():
-        raise ConfigError(f"--devices {cfg.devices}: only {torch.cuda.device_count()} GPU(s) visible")
+    gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
     if cfg.strategy == "dp" and not gpu:
         raise ConfigError("--strategy dp splits batches across GPUs in one process and needs CUDA; "
                           "on CPU use --strategy ddp")
     if cfg.strategy == "dp" and cfg.num_nodes > 1:
         raise ConfigError("--strategy dp runs in one process on one node; use ddp for several nodes")
-    if cfg.precision == "16-mixed" and not gpu:
-        raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
     if cfg.activation == "gelu_cpp":

@@ -23,6 +23,24 @@ class ResumeError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and the fix."""
 
 
+class ConfigError(ValueError):
+    """Settings that cannot work here, refused before any data or model is touched."""
+
+
+def check_hardware(accelerator: str, devices: int, precision: str) -> bool:
+    """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs."""
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError("--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
+    if gpu and devices > torch.cuda.device_count():
+        raise ConfigError(f"--devices {devices}: only {torch.cuda.device_count()} GPU(s) visible")
+    if not gpu and devices > (os.cpu_count() or 1):
+        raise ConfigError(f"--devices {devices}: this machine has {os.cpu_count()} CPU cores; use at most that many processes")
+    if precision == "16-mixed" and not gpu:
+        raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
+    return gpu
+
+
 def write_json_atomic(path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,12 +205,17 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
         signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
 
-    def requested(self, fabric) -> bool:
-        """True on every rank if any rank was signalled (one small all-reduce when distributed)."""
-        flag = self.signal_name is not None
-        if fabric.world_size > 1:
-            flag = bool(fabric.all_reduce(torch.tensor(float(flag), device=fabric.device), reduce_op="sum") > 0)
-        return flag
+    def requested(self, fabric, *other_flags: bool) -> tuple[bool, ...]:
+        """(any rank signalled, *any rank's other_flags), agreed by all ranks in one small all-reduce."""
+        return any_rank(fabric, self.signal_name is not None, *other_flags)
+
+
+def any_rank(fabric, *flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed across ranks, so every rank takes the same branch (one all-reduce when distributed)."""
+    if fabric.world_size == 1:
+        return tuple(flags)
+    summed = fabric.all_reduce(torch.tensor([float(f) for f in flags], device=fabric.device), reduce_op="sum")
+    return tuple(bool(v > 0) for v in summed)
 
 
 def progress_bar(fabric, iterable, total: int, desc: str):
