@@ -106,11 +106,26 @@ def _fetch(mirror: str, filename: str) -> bytes:
     if parsed.scheme in ("http", "https", "ftp", "file"):
         url = urllib.parse.urljoin(mirror.rstrip("/") + "/", filename)
         with urllib.request.urlopen(url, timeout=30) as response:
-            return response.read()
+            return _read_with_progress(response, filename)
     path = Path(mirror).expanduser() / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     return path.read_bytes()
+
+
+def _read_with_progress(response, filename: str) -> bytes:
+    """The whole body; with a progress bar when a person watches a terminal."""
+    if not sys.stderr.isatty():
+        return response.read()
+    from tqdm import tqdm
+
+    chunks = []
+    total = int(response.headers.get("Content-Length") or 0) or None
+    with tqdm(total=total, unit="B", unit_scale=True, desc=filename, leave=False) as bar:
+        while chunk := response.read(1 << 16):
+            chunks.append(chunk)
+            bar.update(len(chunk))
+    return b"".join(chunks)
 
 
 def _valid(path: Path, name: str) -> bool:

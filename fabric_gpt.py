@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import math
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -543,10 +544,10 @@ def run(cfg: Config) -> dict:
         result = train(fabric, cfg, model, optimizer, loader, state, ckpts, logger, stop, total_steps, stop_at, flops)
     progress["train_time_s"] += time.perf_counter() - start
     if "stopped" in result:
-        sys.exit(128 + int(getattr(__import__("signal"), result["stopped"])))
+        sys.exit(128 + getattr(signal, result["stopped"]))  # the shell's convention for "ended by a signal"
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress)
-    record.update(config=dataclasses.asdict(cfg), env=environment(), plan_gb={k: v / 2**30 for k, v in plan.items()
-                                                                             if isinstance(v, (int, float)) and k not in ("n_params", "largest_layer_params")})
+    parts = ("params", "grads", "optimizer", "gathered_layer", "activations", "total")
+    record.update(config=dataclasses.asdict(cfg), env=environment(), plan_gb={k: plan[k] / 2**30 for k in parts})
     if fabric.is_global_zero:
         write_json_atomic(run_dir / "record.json", record)
         logger.log_hyperparams(dataclasses.asdict(cfg))

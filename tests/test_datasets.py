@@ -146,3 +146,13 @@ def test_real_mnist_label_counts(mnist_dir):
     _, y_test = dl.load_split(mnist_dir, "test")
     assert torch.bincount(y_train).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
     assert torch.bincount(y_test).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_download_from_a_url_mirror(tmp_path, mnist_dir):
+    """The URL path of the downloader (as for the upstream mirrors), served here by a file:// URL."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for name in dl.SHA256:
+        (mirror / (name + ".gz")).write_bytes(gzip.compress((mnist_dir / name).read_bytes()))
+    dl.download(tmp_path / "root", mirror=mirror.as_uri() + "/", quiet=True)
+    assert all(hashlib.sha256((tmp_path / "root" / n).read_bytes()).hexdigest() == h for n, h in dl.SHA256.items())
