@@ -27,7 +27,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from run_state import (Checkpoints, ConfigError, NonFiniteLoss, ResumeError, StopRequest, check_hardware,
-                       check_same_experiment, environment, nonfinite_message, parse_config, resume_run_name, write_json_atomic)
+                       check_same_experiment, cpu_name, environment, nonfinite_message, parse_config, resume_run_name, write_json_atomic)
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
 PRESETS = {
@@ -110,6 +110,11 @@ def resolve(cfg: Config) -> Config:
 
 def world_size(cfg: Config) -> int:
     return cfg.devices * cfg.num_nodes
+
+
+def samples_per_step(cfg: Config) -> int:
+    """Samples in one optimizer step: micro-batch x accumulation x processes."""
+    return cfg.micro_batch_size * cfg.grad_accum * world_size(cfg)
 
 
 def is_deepspeed(cfg: Config) -> bool:
@@ -352,7 +357,7 @@ def train(fabric: Fabric, cfg: Config, model, optimizer, loader, state: dict, ck
     """Optimizer steps of `grad_accum` micro-batches each, from state["progress"]["step"] to `stop_at`."""
     progress = state["progress"]
     deepspeed = is_deepspeed(cfg)
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * fabric.world_size * cfg.seq_len
+    tokens_per_step = samples_per_step(cfg) * cfg.seq_len
     batches = itertools.islice(iter(loader), progress["step"] * cfg.grad_accum, None)
     timed_time, timed_steps, last_ckpt = 0.0, 0, None
     while progress["step"] < stop_at:
@@ -413,7 +418,7 @@ def log_step(fabric, logger, cfg, step, total_steps, loss, step_time, tokens_per
 def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: dict, plan: dict, progress: dict) -> dict:
     """The figures of the run, measured over the timed (post-warm-up) steps of this process's life."""
     steps, seconds = result["timed_steps"], result["timed_time_s"]
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * fabric.world_size * cfg.seq_len
+    tokens_per_step = samples_per_step(cfg) * cfg.seq_len
     step_time = seconds / steps if steps else float("nan")
     tokens_s = tokens_per_step / step_time if steps else float("nan")
     per_device = lambda f: f * tokens_s / fabric.world_size / 1e12  # noqa: E731
@@ -423,7 +428,7 @@ def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: d
     return {
         "model": cfg.model, "n_params": n_params, "strategy": cfg.strategy, "precision": cfg.precision,
         "world_size": fabric.world_size, "device": str(fabric.device.type),
-        "device_name": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else environment()["cpu"],
+        "device_name": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else cpu_name(),
         "steps": progress["step"], "timed_steps": steps, "step_time_s": step_time,
         "train_time_s": progress["train_time_s"], "tokens_per_s": tokens_s, "samples_per_s": tokens_s / cfg.seq_len,
         "tflops_per_device": per_device(flops["standard"]), "tflops_per_device_8n": per_device(flops["course_8n"]),
@@ -476,7 +481,7 @@ def validate(cfg: Config) -> None:
                           "on CPU use --strategy ddp or auto, or run --plan to size it for GPUs")
     if cfg.strategy == "fsdp" and not gpu:
         raise ConfigError("--strategy fsdp is set up for CUDA GPUs here; on CPU use --strategy ddp")
-    per_step = cfg.micro_batch_size * cfg.grad_accum * world_size(cfg)
+    per_step = samples_per_step(cfg)
     if cfg.num_samples % per_step:
         raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "
                           f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
@@ -522,7 +527,7 @@ def run(cfg: Config) -> dict:
     model, optimizer = fabric.setup(model, optimizer)  # jointly: DeepSpeed wraps both in one engine
     loader = fabric.setup_dataloaders(DataLoader(make_dataset(cfg), batch_size=cfg.micro_batch_size, shuffle=False))
     # The schedule spans all of num_samples; --steps only ends the run early (it can be resumed further).
-    total_steps = cfg.num_samples // (cfg.micro_batch_size * cfg.grad_accum * fabric.world_size)
+    total_steps = cfg.num_samples // samples_per_step(cfg)  # world_size(cfg) == fabric.world_size
     stop_at = min(total_steps, cfg.steps) if cfg.steps else total_steps
 
     progress = {"step": 0, "losses": [], "train_time_s": 0.0}

@@ -142,6 +142,11 @@ def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_bat
         yield from loader
 
 
+def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
+    """Optimizer steps in one epoch: each rank takes batch_size / world of its n_samples / world samples."""
+    return math.ceil(n_samples / world / (cfg.batch_size // world))
+
+
 def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
     """Translate each image by up to `pad` pixels in each direction, filling with the background value."""
     n, _, h, w = x.shape
@@ -214,7 +219,7 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
     train, test_tensors, train_tensors = data
     progress, history = state["progress"], state["history"]
     world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
-    steps_per_epoch = math.ceil(len(train) / world / local_batch)
+    epoch_steps = steps_per_epoch(len(train), cfg, world)
     check_every = 1 if fabric.device.type == "cpu" else cfg.log_every  # .item() is free on CPU, a sync on GPU
     last_ckpt, result = None, {}
     while progress["epoch"] < cfg.epochs:
@@ -224,7 +229,7 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
         clock = Stopwatch(progress)  # adds to progress["train_time_s"]; paused around evaluation and saving
         t_fetch = time.perf_counter()
         batches = train_batches(train, order, progress["step_in_epoch"], cfg, local_batch, train_tensors)
-        for xb, yb in progress_bar(fabric, batches, steps_per_epoch - progress["step_in_epoch"], f"epoch {epoch + 1}"):
+        for xb, yb in progress_bar(fabric, batches, epoch_steps - progress["step_in_epoch"], f"epoch {epoch + 1}"):
             xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
             if cfg.channels_last:
                 xb = xb.contiguous(memory_format=torch.channels_last)
@@ -269,7 +274,7 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
             t_fetch = time.perf_counter()
         clock.pause()
         epoch_time = progress["train_time_s"] - epoch_start_time
-        finished_epoch = progress["step_in_epoch"] >= steps_per_epoch
+        finished_epoch = progress["step_in_epoch"] >= epoch_steps
         result = evaluate(fabric, model, test_tensors)
         record = {"epoch": epoch + 1, "step": progress["global_step"],
                   "train_loss": progress["loss_sum"] / max(progress["loss_count"], 1),
@@ -429,8 +434,8 @@ def run(cfg: Config) -> dict:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model = torch.compile(model)
-    steps_per_epoch = math.ceil(len(data[0]) / fabric.world_size / (cfg.batch_size // fabric.world_size))
-    optimizer, scheduler = make_optimizer(cfg, model, cfg.epochs * steps_per_epoch)
+    total_steps = cfg.epochs * steps_per_epoch(len(data[0]), cfg, fabric.world_size)
+    optimizer, scheduler = make_optimizer(cfg, model, total_steps)
     model, optimizer = fabric.setup(model, optimizer)
     progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "loss_sum": 0.0, "loss_count": 0, "train_time_s": 0.0}
     history: list = []

@@ -55,7 +55,7 @@ def environment() -> dict:
     import lightning
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-           "platform": platform.platform(), "cpu": _cpu_name(), "cpu_threads": torch.get_num_threads(),
+           "platform": platform.platform(), "cpu": cpu_name(), "cpu_threads": torch.get_num_threads(),
            "cuda": torch.version.cuda, "gpu": None, "gpu_count": 0}
     for module in ("transformers", "deepspeed", "torchmetrics"):
         if module in sys.modules:
@@ -65,7 +65,7 @@ def environment() -> dict:
     return env
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
