@@ -15,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from run_state import write_json_atomic
+from run_state import read_record, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
-CPU_DEEPSPEED_SHIM = REPO / "tests" / "deepspeed_cpu"
 
 
 def run(script: str, args: list, env: dict | None = None) -> tuple[int, str]:
@@ -56,7 +55,7 @@ def bench_lenet(args) -> None:
         code, last = run("fabric_lenet.py", [*cases[name], *common, "--run-name", name])
         if code:
             sys.exit(f"error: {name} failed: {last}")
-        s = json.loads((out / name / "summary.json").read_text())
+        s = read_record(out / name)
         reached = [h["train_time_s"] for h in s["history"] if h["test_acc"] >= 0.99]
         results[name] = {"samples_per_s": s["samples_per_s"], "test_acc": s["test_acc"],
                          "train_time_s": s["train_time_s"], "time_to_99_0_s": reached[0] if reached else None,
@@ -81,11 +80,6 @@ def bench_gpt(args) -> None:
     name = f"bench-gpt-{args.model}-{args.devices}x{args.accelerator}"
     out = Path(args.out_dir) / name
     env = {}
-    if args.accelerator == "cpu":
-        # Lightning runs DeepSpeed on CUDA only; on CPU the sweep borrows the test suite's shim that lifts
-        # that guard, so the real ZeRO code runs with gloo. Figures on CPU compare strategies, not GPUs.
-        env["PYTHONPATH"] = f"{CPU_DEEPSPEED_SHIM}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-        print("note: DeepSpeed on CPU runs through tests/deepspeed_cpu (Lightning allows it on CUDA only)")
     global_batch = args.micro_batch_size * args.devices
     rows = []
     cases = [(s, p) for p in args.precisions for s in args.strategies]
@@ -100,7 +94,7 @@ def bench_gpt(args) -> None:
         code, last = run("fabric_gpt.py", flags, env)
         print(f"{run_name} on {devices} device(s): {'ok' if code == 0 else 'failed: ' + last} ({time.time() - started:.0f} s)",
               flush=True)
-        record = json.loads((out / run_name / "record.json").read_text()) if code == 0 else None
+        record = read_record(out / run_name) if code == 0 else None
         rows.append({"strategy": strategy, "precision": precision, "devices": devices, "record": record,
                      "error": None if code == 0 else last})
     write_table(out, args, rows)

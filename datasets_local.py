@@ -10,6 +10,7 @@ Labels have magic 2049 (one dimension), images 2051 (three dimensions: count, ro
 import argparse
 import gzip
 import hashlib
+import http.client
 import os
 import sys
 import tempfile
@@ -158,7 +159,7 @@ def download(root, mirror: str | None = None, quiet: bool = False) -> None:
         for source in _mirrors(mirror):
             try:
                 payload = gzip.decompress(_fetch(source, name + ".gz"))
-            except (OSError, EOFError, zlib.error, ValueError) as e:  # URLError is an OSError
+            except (OSError, EOFError, zlib.error, ValueError, http.client.HTTPException) as e:  # URLError is an OSError; IncompleteRead is not
                 errors.append(f"{source}: {e}")
                 continue
             digest = hashlib.sha256(payload).hexdigest()

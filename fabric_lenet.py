@@ -8,30 +8,24 @@
 Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json and summary.json.
 """
 
-import contextlib
 import dataclasses
 import math
-import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import psutil
-import signal
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 import datasets_local
 from gelu_ext import GeluBuildError
-from run_state import (Checkpoints, ConfigError, NonFiniteLoss, ResumeError, StopRequest, check_hardware,
-                       check_same_experiment, environment, nonfinite_message, parse_config, progress_bar,
-                       resume_run_name, write_json_atomic)
+from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, check_choices, check_hardware,
+                       nonfinite_message, opt, parse_config, progress_bar, run_main)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -41,40 +35,43 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true")
 @dataclass
 class Config:
     # --- where and how it runs (Fabric)
-    accelerator: str = "auto"      # cpu, gpu, cuda, mps or auto
-    devices: int = 1               # devices (processes) per node
-    num_nodes: int = 1             # nodes; Fabric reads the rank layout from torchrun/SLURM
-    strategy: str = "auto"         # auto, ddp (one process per device), dp (one process, several GPUs)
-    precision: str = "bf16-mixed"  # bf16 autocast uses this CPU's AVX-512 BF16 units; 32-true for exact float32
-    compile: bool = False          # torch.compile the model (slow to start, faster steps on GPU)
-    channels_last: bool = True     # NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU
+    accelerator: str = opt("auto", "cpu, gpu, cuda, mps or auto", ("auto", "cpu", "gpu", "cuda", "mps"))
+    devices: int = opt(1, "devices (processes) per node")
+    num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
+    strategy: str = opt("auto", "ddp: one process per device; dp: one process, several GPUs", STRATEGIES)
+    precision: str = opt("bf16-mixed", "bf16 autocast uses AVX-512 BF16/AMX units where the CPU has them; "
+                         "32-true for exact float32", PRECISIONS)
+    compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
+    channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     # --- optimization
-    epochs: int = 8
-    batch_size: int = 128          # global batch: split evenly across all processes
-    lr: float = 4e-3               # peak learning rate of the schedule
-    optimizer: str = "adamw"       # adamw or sgd (momentum 0.9, nesterov)
-    schedule: str = "onecycle"     # onecycle (warm-up then cosine decay), cosine, constant
-    weight_decay: float = 5e-4
-    seed: int = 0
+    epochs: int = opt(8, "passes over the training set")
+    batch_size: int = opt(128, "global batch: split evenly across all processes")
+    lr: float = opt(4e-3, "peak learning rate of the schedule")
+    optimizer: str = opt("adamw", "adamw, or sgd (momentum 0.9, nesterov)", ("adamw", "sgd"))
+    schedule: str = opt("onecycle", "onecycle (warm-up then cosine decay), cosine, constant",
+                        ("onecycle", "cosine", "constant"))
+    weight_decay: float = opt(5e-4, "decoupled weight decay (AdamW) or L2 (SGD)")
+    seed: int = opt(0, "seed of the weights, the data order and the augmentation")
     # --- model and data
-    activation: str = "relu"       # relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/)
-    gelu_approximate: str = "none" # none (erf) or tanh, for the GELU activations
-    augment: bool = True           # random shifts of up to 2 pixels: +0.1 to 0.2 points of test accuracy here
-    data: str = "memory"           # memory: whole split as tensors, batched by slicing; loader: Dataset + DataLoader
-    num_workers: int = 0           # DataLoader worker processes (data=loader only)
-    data_dir: str = "data/mnist"
-    mirror: str = ""               # URL or folder with the MNIST .gz files; default MNIST_MIRROR, then upstream
-    train_samples: int = 0         # train on the first N training images only (0: all 60,000); for quick runs
-    max_steps: int = 0             # stop after this many optimizer steps (0: run all epochs); for smoke tests
+    activation: str = opt("relu", "relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/)", ACTIVATIONS)
+    gelu_approximate: str = opt("none", "GELU form for the gelu_* activations: none (erf) or tanh", ("none", "tanh"))
+    augment: bool = opt(True, "random shifts of up to 2 pixels (+0.1 to 0.2 points of test accuracy)")
+    data: str = opt("memory", "memory: whole split as tensors, batched by slicing; loader: Dataset + DataLoader",
+                    ("memory", "loader"))
+    num_workers: int = opt(0, "DataLoader worker processes (--data loader only)")
+    data_dir: str = opt("data/mnist", "folder for the MNIST files")
+    mirror: str = opt("", "URL or folder with the MNIST .gz files (default: $MNIST_MIRROR, then upstream)")
+    train_samples: int = opt(0, "train on the first N training images only (0: all 60,000); for quick runs")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0: run all epochs); for smoke tests")
     # --- output and resumption
-    out_dir: str = "runs"
-    run_name: str = ""             # default: lenet-<activation>-<date-time>
-    log_every: int = 50            # steps between train-loss log lines/points
-    eval_every: int = 0            # steps between extra test evaluations (0: only at epoch ends)
-    checkpoint_every: int = 0      # steps between checkpoints (0: only at epoch ends)
-    keep_last: int = 3             # checkpoints kept
-    resume: str = ""               # "auto" (newest good checkpoint of the run) or a checkpoint folder
-    tb_images: bool = True         # confusion matrix, misclassified grid, feature maps, histograms in TensorBoard
+    out_dir: str = opt("runs", "folder holding one folder per run")
+    run_name: str = opt("", "run folder name (default: lenet-<activation>-<date-time>)")
+    log_every: int = opt(50, "steps between train-loss log points")
+    eval_every: int = opt(0, "steps between extra test evaluations (0: only at epoch ends)")
+    checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)")
+    keep_last: int = opt(3, "checkpoints kept")
+    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder")
+    tb_images: bool = opt(True, "confusion matrix, misclassified digits, feature maps, histograms in TensorBoard")
 
 
 # Settings that may change on resume: they change how the run executes, not what it computes.
@@ -158,24 +155,6 @@ def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> t
 
 
 # ----------------------------------------------------------------------------- training
-class Stopwatch:
-    """Training time kept in progress["train_time_s"] (so it survives a resume), excluding pauses."""
-
-    def __init__(self, progress: dict):
-        self.progress, self.mark = progress, time.perf_counter()
-
-    def pause(self) -> None:
-        now = time.perf_counter()
-        self.progress["train_time_s"] += now - self.mark
-        self.mark = now
-
-    @contextlib.contextmanager
-    def paused(self):
-        self.pause()
-        yield
-        self.mark = time.perf_counter()
-
-
 def make_optimizer(cfg: Config, model: nn.Module, total_steps: int):
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
@@ -213,28 +192,27 @@ def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) 
             "per_class_acc": per_class.compute().tolist(), "confusion": confusion.compute().tolist()}
 
 
-def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data, run_dir: Path, ckpts: Checkpoints,
-          state: dict, stop: StopRequest) -> dict:
-    """The epoch loop: resumes at state["progress"], evaluates each epoch, checkpoints, stops on request."""
-    train, test_tensors, train_tensors = data
-    progress, history = state["progress"], state["history"]
+def train(run: Run, model, optimizer, scheduler, data) -> dict:
+    """The epoch loop: resumes at run.state["progress"], evaluates each epoch, checkpoints, stops on request."""
+    fabric, cfg = run.fabric, run.cfg
+    train_set, test_tensors, train_tensors = data
+    progress: Progress = run.state["progress"]
     world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
-    epoch_steps = steps_per_epoch(len(train), cfg, world)
-    check_every = 1 if fabric.device.type == "cpu" else cfg.log_every  # .item() is free on CPU, a sync on GPU
-    last_ckpt, result = None, {}
-    while progress["epoch"] < cfg.epochs:
-        epoch = progress["epoch"]
-        order = epoch_order(len(train), epoch, cfg, fabric.global_rank, world)
-        epoch_start_time, data_wait, seen = progress["train_time_s"], 0.0, 0
-        clock = Stopwatch(progress)  # adds to progress["train_time_s"]; paused around evaluation and saving
+    epoch_steps = steps_per_epoch(len(train_set), cfg, world)
+    result = {}
+    while progress.epoch < cfg.epochs:
+        epoch = progress.epoch
+        order = epoch_order(len(train_set), epoch, cfg, fabric.global_rank, world)
+        epoch_start_time, data_wait, seen = progress.train_time_s, 0.0, 0
+        clock = Stopwatch(progress)  # adds to progress.train_time_s; paused around evaluation and saving
         t_fetch = time.perf_counter()
-        batches = train_batches(train, order, progress["step_in_epoch"], cfg, local_batch, train_tensors)
-        for xb, yb in progress_bar(fabric, batches, epoch_steps - progress["step_in_epoch"], f"epoch {epoch + 1}"):
+        batches = train_batches(train_set, order, progress.step_in_epoch, cfg, local_batch, train_tensors)
+        for xb, yb in progress_bar(fabric, batches, epoch_steps - progress.step_in_epoch, f"epoch {epoch + 1}"):
             xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
             if cfg.channels_last:
                 xb = xb.contiguous(memory_format=torch.channels_last)
             if cfg.augment:
-                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + progress["global_step"] * world + fabric.global_rank)
+                g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + progress.global_step * world + fabric.global_rank)
                 xb = random_shift(xb, g)
             data_wait += time.perf_counter() - t_fetch
             loss = F.cross_entropy(model(xb), yb)
@@ -242,52 +220,48 @@ def train(fabric: Fabric, cfg: Config, logger, model, optimizer, scheduler, data
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            progress["step_in_epoch"] += 1
-            progress["global_step"] += 1
-            step, seen = progress["global_step"], seen + len(yb) * world
-            loss_value = math.nan
-            if step % check_every == 0 or step % cfg.log_every == 0:
-                loss_value = float(loss.detach())  # this rank's shard; the running mean uses rank 0's
-                if math.isfinite(loss_value):
-                    progress["loss_sum"] += loss_value * len(yb)
-                    progress["loss_count"] += len(yb)
-                if step % cfg.log_every == 0:
-                    logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
+            progress.step_in_epoch += 1
+            progress.global_step += 1
+            step, seen = progress.global_step, seen + len(yb) * world
+            # Every step, before any save: a NaN state must never be checkpointed as "good".
+            loss_value = float(loss.detach())  # this rank's shard; the running mean uses rank 0's
+            if math.isfinite(loss_value):
+                progress.loss_sum += loss_value * len(yb)
+                progress.loss_count += len(yb)
+            if step % cfg.log_every == 0:
+                run.logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
             # One all-reduce answers both: did any rank get a stop signal, or a non-finite loss?
-            stopping, nonfinite = stop.requested(fabric, step % check_every == 0 and not math.isfinite(loss_value))
+            stopping, nonfinite = run.stop.requested(fabric, not math.isfinite(loss_value))
             if nonfinite:
                 bad = loss_value if not math.isfinite(loss_value) else math.nan  # another rank may have seen it
-                raise NonFiniteLoss(nonfinite_message(bad, step, f"epoch {epoch + 1}", last_ckpt, cfg.precision))
+                raise NonFiniteLoss(nonfinite_message(bad, step, f"epoch {epoch + 1}", run.last_checkpoint, cfg.precision))
             if cfg.eval_every and step % cfg.eval_every == 0:
                 with clock.paused():
-                    log_eval(fabric, logger, history, evaluate(fabric, model, test_tensors), epoch, step,
-                             progress["train_time_s"])
+                    log_eval(run, evaluate(fabric, model, test_tensors), epoch, step, progress.train_time_s)
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping:
                 with clock.paused():
-                    last_ckpt = ckpts.save(fabric, state, step, dataclasses.asdict(cfg))
+                    run.save(step)
             if stopping:
-                fabric.print(f"{stop.signal_name or 'stop'} received: saved {last_ckpt}; resume with --resume auto "
-                             f"--run-name {run_dir.name}")
-                return {"stopped": stop.signal_name or "stop"}
+                raise run.stopped()
             if cfg.max_steps and step >= cfg.max_steps:
                 break
             t_fetch = time.perf_counter()
         clock.pause()
-        epoch_time = progress["train_time_s"] - epoch_start_time
-        finished_epoch = progress["step_in_epoch"] >= epoch_steps
+        epoch_time = progress.train_time_s - epoch_start_time
+        finished_epoch = progress.step_in_epoch >= epoch_steps
         result = evaluate(fabric, model, test_tensors)
-        record = {"epoch": epoch + 1, "step": progress["global_step"],
-                  "train_loss": progress["loss_sum"] / max(progress["loss_count"], 1),
+        record = {"epoch": epoch + 1, "step": progress.global_step,
+                  "train_loss": progress.loss_sum / max(progress.loss_count, 1),
                   "epoch_time_s": epoch_time, "samples_per_s": seen / epoch_time if epoch_time else 0.0,
                   "data_wait_share": data_wait / epoch_time if epoch_time else 0.0,
-                  "train_time_s": progress["train_time_s"], **{k: result[k] for k in ("test_loss", "test_acc")}}
-        history.append(record)
+                  "train_time_s": progress.train_time_s, **{k: result[k] for k in ("test_loss", "test_acc")}}
+        progress.history.append(record)
         print_epoch(fabric, record, cfg)
-        log_epoch(fabric, logger, cfg, model, record, result, test_tensors)
+        log_epoch(run, model, record, result, test_tensors)
         if finished_epoch:
-            progress.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, loss_count=0)
-        last_ckpt = ckpts.save(fabric, state, progress["global_step"], dataclasses.asdict(cfg))
-        if cfg.max_steps and progress["global_step"] >= cfg.max_steps:
+            progress.epoch, progress.step_in_epoch, progress.loss_sum, progress.loss_count = epoch + 1, 0, 0.0, 0
+        run.save(progress.global_step)
+        if cfg.max_steps and progress.global_step >= cfg.max_steps:
             break
     return result
 
@@ -299,14 +273,16 @@ def print_epoch(fabric: Fabric, r: dict, cfg: Config) -> None:
                  f"{r['samples_per_s']:,.0f} samples/s | data wait {100 * r['data_wait_share']:.0f}%")
 
 
-def log_eval(fabric, logger, history, result, epoch, step, train_time) -> None:
-    history.append({"epoch": epoch + 1, "step": step, "train_time_s": train_time, "partial": True,
+def log_eval(run: Run, result, epoch, step, train_time) -> None:
+    fabric, logger = run.fabric, run.logger
+    run.state["progress"].history.append({"epoch": epoch + 1, "step": step, "train_time_s": train_time, "partial": True,
                     "test_loss": result["test_loss"], "test_acc": result["test_acc"]})
     logger.log_metrics({"test/loss": result["test_loss"], "test/acc": result["test_acc"]}, step=step)
     fabric.print(f"  step {step}: test acc {100 * result['test_acc']:.2f}% after {train_time:.2f} s of training")
 
 
-def log_epoch(fabric: Fabric, logger, cfg: Config, model, record: dict, result: dict, test_tensors) -> None:
+def log_epoch(run: Run, model, record: dict, result: dict, test_tensors) -> None:
+    fabric, logger, cfg = run.fabric, run.logger, run.cfg
     step = record["step"]
     metrics = {"test/loss": record["test_loss"], "test/acc": record["test_acc"], "train/epoch_loss": record["train_loss"],
                "perf/samples_per_s": record["samples_per_s"], "perf/data_wait_share": record["data_wait_share"],
@@ -371,15 +347,13 @@ def print_summary(fabric: Fabric, summary: dict) -> None:
 # ----------------------------------------------------------------------------- main
 def validate(cfg: Config) -> None:
     """Every impossible combination is refused here, before data or model are touched."""
-    choices = {"activation": ACTIVATIONS, "strategy": STRATEGIES, "precision": PRECISIONS,
-               "optimizer": ("adamw", "sgd"), "schedule": ("onecycle", "cosine", "constant"),
-               "data": ("memory", "loader"), "gelu_approximate": ("none", "tanh")}
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    check_choices(cfg)
     for name in ("epochs", "batch_size", "devices", "num_nodes", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("num_workers", "train_samples", "max_steps", "eval_every", "checkpoint_every"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
     world = cfg.devices * cfg.num_nodes
@@ -401,75 +375,45 @@ def validate(cfg: Config) -> None:
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, __doc__, {"activation": ACTIVATIONS, "strategy": STRATEGIES, "precision": PRECISIONS})
+    return parse_config(Config, argv, __doc__)
 
 
 def main(argv=None) -> dict:
-    cfg = parse_args(argv)
-    try:
-        validate(cfg)
-        if cfg.resume and not cfg.run_name:
-            cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, "lenet")
-        return run(cfg)
-    except (ConfigError, ResumeError, NonFiniteLoss, GeluBuildError, datasets_local.MNISTError) as e:
-        sys.exit(f"error: {e}")
+    return run_main(parse_args(argv), "lenet", validate, run, errors=(GeluBuildError, datasets_local.MNISTError))
 
 
 def run(cfg: Config) -> dict:
     fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy,
                     precision=cfg.precision)
     fabric.launch()
-    cfg.run_name = fabric.broadcast(cfg.run_name or f"lenet-{cfg.activation}-{datetime.now():%Y%m%d-%H%M%S}")
-    run_dir = Path(cfg.out_dir) / cfg.run_name
-    # Created after launch: a default run name holds the start time, so rank 0's is broadcast to all.
-    logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
     fabric.seed_everything(cfg.seed)
-    fabric.print(f"config: {dataclasses.asdict(cfg)}")
-    fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
-
     with fabric.rank_zero_first():  # rank 0 downloads; the others then read the verified files
-        data = load_data(cfg)
+        train_set, test_set = load_data(cfg)
     model = LeNet5(cfg)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model = torch.compile(model)
-    total_steps = cfg.epochs * steps_per_epoch(len(data[0]), cfg, fabric.world_size)
-    optimizer, scheduler = make_optimizer(cfg, model, total_steps)
+    optimizer, scheduler = make_optimizer(cfg, model, cfg.epochs * steps_per_epoch(len(train_set), cfg, fabric.world_size))
     model, optimizer = fabric.setup(model, optimizer)
-    progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "loss_sum": 0.0, "loss_count": 0, "train_time_s": 0.0}
-    history: list = []
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress, "history": history}
-    ckpts = Checkpoints(run_dir / "checkpoints", cfg.keep_last)
+    progress = Progress(epoch=0, step_in_epoch=0, global_step=0, loss_sum=0.0, loss_count=0, train_time_s=0.0, history=[])
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
+    run = Run(fabric, cfg, "lenet", RUNTIME_FIELDS, state)
+    fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
+    run.start()
     if cfg.resume:
-        loaded = ckpts.load(fabric, state, cfg.resume, lambda saved: check_same_experiment(
-            saved, dataclasses.asdict(cfg), RUNTIME_FIELDS, f"run {cfg.run_name}"))
-        if loaded is None:
-            raise ResumeError(f"--resume {cfg.resume}: no usable checkpoint in {ckpts.folder}. "
-                              "Fix: start the run again without --resume.")
-        progress, history = state["progress"], state["history"]
-        fabric.print(f"resumed from {loaded}: epoch {progress['epoch'] + 1}, step {progress['global_step']}")
-    if fabric.is_global_zero:
-        write_json_atomic(run_dir / "config.json", dataclasses.asdict(cfg))
-    train_set, test_set = data
+        fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
     data = (train_set, test_set.tensors(), train_set.tensors() if cfg.data == "memory" else None)
-    with StopRequest() as stop:
-        result = train(fabric, cfg, logger, model, optimizer, scheduler, data, run_dir, ckpts, state, stop)
-    if result.get("stopped"):
-        sys.exit(128 + getattr(signal, result["stopped"], signal.SIGINT))  # the shell's convention for "killed by"
-    final_epochs = [h for h in history if not h.get("partial")]
-    summary = {"run_dir": str(run_dir), "test_acc": result["test_acc"], "test_loss": result["test_loss"],
+    with StopRequest() as run.stop:
+        result = train(run, model, optimizer, scheduler, data)
+    summary = {"test_acc": result["test_acc"], "test_loss": result["test_loss"],
                "per_class_acc": result["per_class_acc"], "confusion": result["confusion"],
-               "epochs": progress["epoch"] + (1 if progress["step_in_epoch"] else 0), "steps": progress["global_step"],
-               "train_time_s": progress["train_time_s"],
-               "samples_per_s": progress["global_step"] * cfg.batch_size / max(progress["train_time_s"], 1e-9),
-               "world_size": fabric.world_size, "device": str(fabric.device), "history": history,
-               "epoch_history": final_epochs, "config": dataclasses.asdict(cfg), "env": environment()}
-    if fabric.is_global_zero:
-        write_json_atomic(run_dir / "summary.json", summary)
-        logger.log_hyperparams(dataclasses.asdict(cfg), {"hparams/test_acc": result["test_acc"],
-                                                         "hparams/test_loss": result["test_loss"]})
-        logger.finalize("success")
+               "epochs": progress.epoch + (1 if progress.step_in_epoch else 0), "steps": progress.global_step,
+               "train_time_s": progress.train_time_s,
+               "samples_per_s": progress.global_step * cfg.batch_size / max(progress.train_time_s, 1e-9),
+               "world_size": fabric.world_size, "device": str(fabric.device), "history": progress.history,
+               "epoch_history": [h for h in progress.history if not h.get("partial")]}
+    summary = run.finish(summary, {"hparams/test_acc": result["test_acc"], "hparams/test_loss": result["test_loss"]})
     print_summary(fabric, summary)
     return summary
 

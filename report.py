@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from run_state import RECORD  # noqa: E402
+
 
 def load_json(path: Path):
     try:
@@ -32,8 +34,8 @@ def newest(paths):
 
 
 def lenet_runs(runs: Path) -> list[Path]:
-    """Run folders of fabric_lenet.py: a config.json with an `activation` field."""
-    return [p for p in runs.iterdir() if p.is_dir() and "activation" in (load_json(p / "config.json") or {})]
+    """Run folders of fabric_lenet.py: the run record's `kind` (config.json carries it from the start)."""
+    return [p for p in runs.iterdir() if p.is_dir() and (load_json(p / "config.json") or {}).get("kind") == "lenet"]
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -85,18 +87,18 @@ class Report:
 # ----------------------------------------------------------------------------- sections
 def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     candidates = lenet_runs(runs) if runs.is_dir() else []
-    complete = [p for p in candidates if (p / "summary.json").exists()]
+    complete = [p for p in candidates if (p / RECORD).exists()]
     for p in sorted(set(candidates) - set(complete)):
-        rep.note(f"run `{p.name}` has no summary.json: it was interrupted or is still running. "
+        rep.note(f"run `{p.name}` has no record.json: it was interrupted or is still running. "
                  f"Continue it with `make lenet RESUME=auto RUN={p.name}`.")
-    run = chosen or newest([p / "summary.json" for p in complete])
-    run = run.parent if run and run.name == "summary.json" else run
+    run = chosen or newest([p / RECORD for p in complete])
+    run = run.parent if run and run.name == RECORD else run
     if run is None:
         rep.note("no finished LeNet-5 run under runs/. Produce one with `make lenet`.")
         return
-    s = load_json(run / "summary.json")
+    s = load_json(run / RECORD)
     if s is None:
-        rep.note(f"`{run}/summary.json` is missing or unreadable. Re-run with `make lenet RUN={run.name}`.")
+        rep.note(f"`{run}/record.json` is missing or unreadable. Re-run with `make lenet RUN={run.name}`.")
         return
     cfg = s["config"]
     rep.add(f"Run `{run.name}`: activation **{cfg['activation']}**, {s['epochs']} epochs, batch {cfg['batch_size']}, "
@@ -140,8 +142,8 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     rep.add("### Activations compared", "", "The newest finished run of each activation:", "",
             "| activation | run | test acc | epochs | train s | samples/s |", "|---|---|---|---|---|---|")
     by_act = {}
-    for p in sorted(complete, key=lambda p: (p / "summary.json").stat().st_mtime):
-        summary = load_json(p / "summary.json")
+    for p in sorted(complete, key=lambda p: (p / RECORD).stat().st_mtime):
+        summary = load_json(p / RECORD)
         if summary and "config" in summary:
             by_act[summary["config"]["activation"]] = (p, summary)
     for act, (p, r) in sorted(by_act.items()):
@@ -227,8 +229,7 @@ def section_gpt(rep: Report, runs: Path, chosen: Path | None) -> None:
 
 
 def section_environment(rep: Report, runs: Path) -> None:
-    records = [p for p in (list(runs.glob("*/summary.json")) + list(runs.glob("*/*/record.json"))
-                           + list(runs.glob("*/record.json"))) if runs.is_dir()]
+    records = [p for p in (list(runs.glob("*/*/record.json")) + list(runs.glob("*/record.json"))) if runs.is_dir()]
     env = None
     for path in sorted(records, key=lambda p: p.stat().st_mtime, reverse=True):
         env = (load_json(path) or {}).get("env")

@@ -1,22 +1,31 @@
-"""What both training scripts need to lose nothing: atomic checkpoints, resume, clean stops, run records.
+"""The run lifecycle both training scripts share: flags from a config, start, resume or refuse, atomic
+checkpoints, clean stops, the run record and the exit code.
 
-A checkpoint is a folder `runs/<run>/checkpoints/step-00001234/` holding `state` (written by `fabric.save`:
-one file, or a folder of shards under DeepSpeed) and `config.json`. It is written under a `.partial`
-name and renamed when every rank has finished, so a folder without that suffix is always complete.
+A run lives in `runs/<run>/`: `config.json` and `record.json` (both carry `kind`: "lenet" or "gpt"),
+TensorBoard events, and `checkpoints/step-00001234/` holding `state` (written by `fabric.save`: one file,
+or a folder of shards) and `config.json`. A checkpoint is written under a `.partial` name, fsync'd, and
+renamed when every rank has finished, so a `step-N` folder is always complete.
 """
 
+import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
 import tempfile
+import time
+import zipfile
+from datetime import datetime
 from pathlib import Path
 
 import torch
 
 PARTIAL = ".partial"
+RECORD = "record.json"
+STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
 class ResumeError(RuntimeError):
@@ -27,9 +36,47 @@ class ConfigError(ValueError):
     """Settings that cannot work here, refused before any data or model is touched."""
 
 
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- flags
+def opt(default, help: str, choices=None):
+    """A config field with its one-line help (and choices), which becomes one argparse flag."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def parse_config(config_class, argv, description: str):
+    """argparse built from a config dataclass: one flag per field (--some-field) with its help, default
+    and choices; --x/--no-x for booleans."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(config_class):
+        flag, help_, choices = "--" + f.name.replace("_", "-"), f.metadata.get("help", ""), f.metadata.get("choices")
+        shown = f"{help_} (default: {f.default!r})" if f.default not in ("", 0) or isinstance(f.default, bool) else help_
+        if choices:
+            shown += f"; one of: {', '.join(map(str, choices))}"
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=shown)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices, help=shown,
+                                metavar=f.name.upper() if choices else None)
+    return config_class(**vars(parser.parse_args(argv)))
+
+
+def check_choices(cfg) -> None:
+    """Choices checked again for configs built in Python rather than from flags."""
+    for f in dataclasses.fields(cfg):
+        allowed = f.metadata.get("choices")
+        if allowed and getattr(cfg, f.name) not in allowed:
+            raise ConfigError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} is not one of "
+                              f"{', '.join(map(str, allowed))}")
+
+
 def check_hardware(accelerator: str, devices: int, precision: str) -> bool:
     """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs."""
-    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    gpu = uses_gpu(accelerator)
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError("--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
     if gpu and devices > torch.cuda.device_count():
@@ -41,13 +88,29 @@ def check_hardware(accelerator: str, devices: int, precision: str) -> bool:
     return gpu
 
 
+def uses_gpu(accelerator: str) -> bool:
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+# ----------------------------------------------------------------------------- records
 def write_json_atomic(path, obj) -> None:
+    """Temporary file, fsync, rename: a reader sees the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_record(run_dir) -> dict | None:
+    """A run's record.json, or None when the run has not finished (or the file is unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def environment() -> dict:
@@ -75,18 +138,97 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+class Progress:
+    """Counters that must survive a resume. `fabric.load` restores objects that have `load_state_dict` in
+    place (plain dicts in the state are replaced instead), so every holder of this object sees the
+    restored values."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
 # ----------------------------------------------------------------------------- checkpoints
+def _fsync_tree(path: Path) -> None:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def damaged_files(path: Path) -> str | None:
+    """A cheap check of a checkpoint's files before any rank loads it: torch.save writes zip archives,
+    and a truncated archive has lost its central directory. Returns the first problem found."""
+    state = path / "state"
+    files = [state] if state.is_file() else sorted(p for p in state.rglob("*") if p.is_file())
+    for f in files:
+        if f.stat().st_size == 0:
+            return f"{f} is empty"
+        with open(f, "rb") as fh:
+            is_zip = fh.read(4) == b"PK\x03\x04"
+        if is_zip and not zipfile.is_zipfile(f):
+            return f"{f} is truncated (its zip directory is missing)"
+    return None
+
+
 class Checkpoints:
     """Numbered, atomically written checkpoints in one folder, keeping the newest `keep_last`."""
 
-    def __init__(self, folder, keep_last: int = 3):
-        self.folder, self.keep_last = Path(folder), keep_last
+    def __init__(self, folder, keep_last: int = 3, per_rank_files: bool = False):
+        # per_rank_files: each rank writes its own torch.save file, for models Fabric cannot save (pipeline
+        # stages hold plain tensors, which ModelParallelStrategy's distributed checkpoint refuses)
+        self.folder, self.keep_last, self.per_rank_files = Path(folder), keep_last, per_rank_files
+
+    def _write(self, fabric, path: Path, state: dict) -> None:
+        if not self.per_rank_files:
+            return fabric.save(path, state)
+        path.mkdir(parents=True, exist_ok=True)
+        plain = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+        torch.save(plain, path / f"rank-{fabric.global_rank:05d}.pt")
+
+    def _read(self, fabric, path: Path, state: dict) -> None:
+        if not self.per_rank_files:
+            stateful = {k: v for k, v in state.items() if hasattr(v, "load_state_dict")}
+            fabric.load(path, state)
+            for key, obj in stateful.items():  # some strategies put the saved dict in place of the object
+                if state[key] is not obj:
+                    obj.load_state_dict(state[key])
+                    state[key] = obj
+            return
+        saved = torch.load(path / f"rank-{fabric.global_rank:05d}.pt", map_location=fabric.device, weights_only=False)
+        for key, obj in state.items():
+            obj.load_state_dict(saved[key])
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
         if not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.glob("step-*") if p.is_dir() and not p.name.endswith(PARTIAL))
+        return sorted(p for p in self.folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+    def clean_partial(self) -> None:
+        """Saves cut short by a kill leave `.partial` folders; nothing can use them."""
+        for p in self.folder.glob(f"step-*{PARTIAL}") if self.folder.is_dir() else []:
+            shutil.rmtree(p, ignore_errors=True)
 
     def save(self, fabric, state: dict, step: int, config: dict) -> Path:
         final = self.folder / f"step-{step:08d}"
@@ -96,11 +238,13 @@ class Checkpoints:
             partial.mkdir(parents=True)
             write_json_atomic(partial / "config.json", config)
         fabric.barrier()
-        fabric.save(partial / "state", state)
-        fabric.barrier()  # every rank's shard is on disk before the folder is declared complete
+        self._write(fabric, partial / "state", state)
+        fabric.barrier()  # every rank's shard is written before the folder is declared complete
         if fabric.global_rank == 0:
+            _fsync_tree(partial)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
+            _fsync_dir(self.folder)
             for old in self.complete()[:-self.keep_last] if self.keep_last > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
         fabric.barrier()
@@ -110,71 +254,79 @@ class Checkpoints:
         """Candidates for --resume, newest first: `auto` lists this run's checkpoints, a path names one."""
         if resume == "auto":
             return list(reversed(self.complete()))
-        path = Path(resume)
-        if path.name == "state":
-            path = path.parent
-        if not (path / "state").exists():
+        path = checkpoint_folder(resume)
+        if not (path / "state").exists() or not STEP_DIR.match(path.name):
             raise ResumeError(f"--resume {resume}: no checkpoint there (expected a folder with `state` and "
                               f"`config.json`, such as {self.folder}/step-00000100). Fix: pass such a folder or `auto`.")
         return [path]
 
     def load(self, fabric, state: dict, resume: str, check_config) -> Path | None:
-        """Load the newest usable candidate into `state`; with `auto`, skip unreadable ones with a warning.
+        """Load the newest usable candidate into `state`. Every rank takes the same decision: a checkpoint
+        that any rank cannot read is skipped by all (with `auto`), so ranks never resume different steps.
 
         `check_config(saved_config)` raises ResumeError when the checkpoint belongs to another experiment;
         that is never skipped, since an older checkpoint of the same run would be refused just the same.
         """
-        candidates = self.resolve(resume)
-        for path in candidates:
+        for path in self.resolve(resume):
             try:
                 saved = json.loads((path / "config.json").read_text())
+                why = None
             except (OSError, ValueError) as e:
-                self._unreadable(fabric, path, f"config.json unreadable ({e})", resume)
+                why = f"config.json unreadable ({e})"
+            if why is None:
+                check_config(saved)
+                why = damaged_files(path)
+            if not self._agreed_ok(fabric, path, why, resume):
                 continue
-            check_config(saved)
             try:
-                fabric.load(path / "state", state)
+                self._read(fabric, path / "state", state)
             except Exception as e:  # torch/zip/pickle/DeepSpeed errors differ; all mean "this one is bad"
-                self._unreadable(fabric, path, f"{type(e).__name__}: {e}", resume)
+                why = f"{type(e).__name__}: {e}"
+            if not self._agreed_ok(fabric, path, why, resume):
                 continue
             return path
         return None
 
-    @staticmethod
-    def _unreadable(fabric, path: Path, why: str, resume: str) -> None:
+    def _agreed_ok(self, fabric, path: Path, why: str | None, resume: str) -> bool:
+        (bad,) = any_rank(fabric, why is not None)
+        if not bad:
+            return True
+        why = why or "another process could not read its part"
         if resume != "auto":
             raise ResumeError(f"checkpoint {path} cannot be loaded: {why}. Fix: resume from another checkpoint "
                               f"(--resume auto picks the newest good one) or start a new run.")
         fabric.print(f"warning: skipping checkpoint {path}: {why}", file=sys.stderr)
+        return False
+
+    def abandon_newer(self, fabric, loaded: Path) -> None:
+        """Checkpoints newer than the one resumed belong to a branch this run no longer follows; moved
+        aside (not deleted), so they neither outrank new saves in pruning nor get picked by `auto`."""
+        if fabric.global_rank == 0:
+            newer = [p for p in self.complete() if step_of(p) > step_of(loaded)]
+            if newer:
+                aside = self.folder / f"abandoned-{datetime.now():%Y%m%d-%H%M%S}"
+                aside.mkdir(parents=True, exist_ok=True)
+                for p in newer:
+                    os.replace(p, aside / p.name)
+                fabric.print(f"moved {len(newer)} newer checkpoint(s) of the abandoned branch to {aside}")
+        fabric.barrier()
 
 
-def resume_run_name(resume: str, out_dir: str, prefix: str) -> str:
-    """The run a --resume refers to: a checkpoint folder's run, or for `auto` the newest `<prefix>-*` run
+def checkpoint_folder(resume: str) -> Path:
+    path = Path(resume)
+    return path.parent if path.name == "state" else path
+
+
+def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
+    """The run a --resume refers to: a checkpoint folder's run, or for `auto` the newest `<kind>-*` run
     under out_dir that has a complete checkpoint."""
     if resume != "auto":
-        return Path(resume).resolve().parent.parent.name  # <out_dir>/<run>/checkpoints/step-N
-    runs = [p.parent.parent for p in Path(out_dir).glob(f"{prefix}-*/checkpoints/step-*")
-            if p.is_dir() and not p.name.endswith(PARTIAL)]
+        return checkpoint_folder(resume).resolve().parent.parent.name  # <out_dir>/<run>/checkpoints/step-N
+    runs = [p.parent.parent for p in Path(out_dir).glob(f"{kind}-*/checkpoints/step-*") if STEP_DIR.match(p.name)]
     if not runs:
-        raise ResumeError(f"--resume auto: no {prefix} run with a checkpoint under {out_dir}/. "
+        raise ResumeError(f"--resume auto: no {kind} run with a checkpoint under {out_dir}/. "
                           "Fix: start a run without --resume, or pass --run-name of a run that has one.")
     return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
-
-
-def parse_config(config_class, argv, description: str, choices: dict):
-    """argparse built from a config dataclass: one flag per field (--some-field), its default and type,
-    `choices` where given, --x/--no-x for booleans."""
-    import argparse
-    import dataclasses
-
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(config_class):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices.get(f.name))
-    return config_class(**vars(parser.parse_args(argv)))
 
 
 def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str) -> None:
@@ -207,7 +359,10 @@ class StopRequest:
 
     def requested(self, fabric, *other_flags: bool) -> tuple[bool, ...]:
         """(any rank signalled, *any rank's other_flags), agreed by all ranks in one small all-reduce."""
-        return any_rank(fabric, self.signal_name is not None, *other_flags)
+        stopping, *others = any_rank(fabric, self.signal_name is not None, *other_flags)
+        if stopping and self.signal_name is None:
+            self.signal_name = "SIGINT"  # another rank was signalled; it is the same stop for this one
+        return (stopping, *others)
 
 
 def any_rank(fabric, *flags: bool) -> tuple[bool, ...]:
@@ -216,6 +371,14 @@ def any_rank(fabric, *flags: bool) -> tuple[bool, ...]:
         return tuple(flags)
     summed = fabric.all_reduce(torch.tensor([float(f) for f in flags], device=fabric.device), reduce_op="sum")
     return tuple(bool(v > 0) for v in summed)
+
+
+class Stopped(Exception):
+    """Raised by train() after a clean stop has been saved; the exit code follows the shell's convention."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.exit_code = 128 + int(getattr(signal, signal_name, signal.SIGINT))
 
 
 def progress_bar(fabric, iterable, total: int, desc: str):
@@ -227,13 +390,119 @@ def progress_bar(fabric, iterable, total: int, desc: str):
     return tqdm(iterable, total=total, desc=desc, leave=False, unit="batch")
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
 def nonfinite_message(loss: float, step: int, where: str, last_checkpoint, precision: str) -> str:
     saved = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
     reduced = "" if precision.startswith(("32", "64")) else f"overflow in {precision} (try --precision 32-true), "
     return (f"loss became {loss} at step {step} ({where}); training stopped instead of continuing on garbage, "
             f"and {saved}. Likely causes: a learning rate too high (start a new run with a lower --lr or a longer "
             f"warm-up), {reduced}or NaN/inf in the input data.")
+
+
+# ----------------------------------------------------------------------------- the lifecycle
+class Run:
+    """One training run, the same for both scripts: the run name agreed by all ranks, its folder and
+    TensorBoard logger, resume (or a clear refusal), checkpoints, clean stops and the final record.
+    train() receives this object as its context."""
+
+    def __init__(self, fabric, cfg, kind: str, runtime_fields: set[str], state: dict, check_config=None,
+                 per_rank_checkpoints: bool = False):
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        self.fabric, self.cfg, self.kind, self.state = fabric, cfg, kind, state
+        self.runtime_fields = runtime_fields
+        self.check_config = check_config or (lambda saved: None)
+        # A default name holds the start time: rank 0's is broadcast so all ranks write to one folder.
+        cfg.run_name = fabric.broadcast(cfg.run_name or f"{kind}-{default_name(cfg)}-{datetime.now():%Y%m%d-%H%M%S}")
+        self.dir = Path(cfg.out_dir) / cfg.run_name
+        self.logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
+        self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints)
+        self.last_checkpoint: Path | None = None
+        self.stop: StopRequest | None = None
+        fabric.print(f"config: {self.config()}")
+
+    def config(self) -> dict:
+        return {"kind": self.kind, **dataclasses.asdict(self.cfg)}
+
+    def start(self) -> None:
+        """Resume if asked (or refuse with the fix), then record the config the run continues under."""
+        fabric, cfg = self.fabric, self.cfg
+        if fabric.global_rank == 0:
+            self.ckpts.clean_partial()
+        fabric.barrier()
+        if cfg.resume:
+            def check(saved):
+                self.check_config(saved)
+                check_same_experiment(saved, self.config(), self.runtime_fields, f"run {cfg.run_name}")
+
+            loaded = self.ckpts.load(fabric, self.state, cfg.resume, check)
+            if loaded is None:
+                raise ResumeError(f"--resume {cfg.resume}: no usable checkpoint in {self.ckpts.folder}. "
+                                  "Fix: start the run again without --resume.")
+            self.ckpts.abandon_newer(fabric, loaded)
+            self.last_checkpoint = loaded
+            fabric.print(f"resumed from {loaded}")
+        if fabric.is_global_zero:
+            write_json_atomic(self.dir / "config.json", self.config())
+
+    def save(self, step: int) -> Path:
+        self.last_checkpoint = self.ckpts.save(self.fabric, self.state, step, self.config())
+        return self.last_checkpoint
+
+    def stopped(self) -> Stopped:
+        """After a signal: the checkpoint is saved; say how to continue and return the exception to raise."""
+        name = self.stop.signal_name if self.stop else "SIGINT"
+        self.fabric.print(f"{name} received: saved {self.last_checkpoint}; resume with --resume auto "
+                          f"--run-name {self.cfg.run_name}")
+        return Stopped(name)
+
+    def finish(self, record: dict, metrics: dict | None = None) -> dict:
+        record = {"kind": self.kind, "run_dir": str(self.dir), **record, "config": self.config(), "env": environment()}
+        if self.fabric.is_global_zero:
+            write_json_atomic(self.dir / RECORD, record)
+            self.logger.log_hyperparams(dataclasses.asdict(self.cfg), metrics)
+            self.logger.finalize("success")
+        return record
+
+
+def default_name(cfg) -> str:
+    return getattr(cfg, "activation", None) or f"{cfg.model}-{cfg.strategy}"
+
+
+def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
+    """What both scripts' main() do: validate, find the run a --resume means, run it, and turn every
+    expected failure into one line `error: ...` (exit 1) and a clean stop into 128 + the signal number."""
+    try:
+        validate(cfg)
+        if cfg.resume and not cfg.run_name:
+            cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
+        return run(cfg)
+    except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
+        sys.exit(f"error: {e}")
+    except Stopped as e:
+        sys.exit(e.exit_code)
+
+
+class Stopwatch:
+    """Training time kept in progress.train_time_s (so it survives a resume), excluding pauses."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.mark = progress, time.perf_counter()
+
+    def pause(self) -> None:
+        now = time.perf_counter()
+        self.progress.train_time_s += now - self.mark
+        self.mark = now
+
+    def resume(self) -> None:
+        self.mark = time.perf_counter()
+
+    def paused(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def _paused():
+            self.pause()
+            yield
+            self.resume()
+
+        return _paused()

@@ -4,17 +4,37 @@ Both print a table and write a JSON record to runs/gelu/ for `make report`.
 """
 
 import argparse
+import json
+import os
+import platform
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from gelu_ext import APPROXIMATIONS, GeluBuildError, gelu_cpp, gelu_py, load_cpp
 
-sys.path.insert(0, ".")  # run_state lives at the repository root
-from run_state import environment, write_json_atomic  # noqa: E402
+
+
+def write_json_atomic(path, obj) -> None:
+    """The package stands alone (no import from the repository root): its own temp-file-and-rename writer."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def environment() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpu": cpu,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_threads": torch.get_num_threads()}
 
 IMPLEMENTATIONS = {"py": gelu_py, "cpp": gelu_cpp}
 

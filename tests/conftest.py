@@ -43,4 +43,9 @@ def run_script(*args, timeout=600, check=True, env=None) -> subprocess.Completed
 
 
 def read_summary(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
+    """A finished run's record.json (both scripts write one, with its `kind`)."""
+    return json.loads((Path(run_dir) / "record.json").read_text())
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: multi-process or DeepSpeed runs; `make test-fast` leaves them out")

@@ -120,7 +120,7 @@ def test_download_rejects_corrupted_mirror_file(tmp_path, mnist_dir):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for name in dl.SHA256:
-        (mirror / (name + ".gz")).write_bytes(gzip.compress((mnist_dir / name).read_bytes()))
+        (mirror / (name + ".gz")).write_bytes(gzip.compress((mnist_dir / name).read_bytes(), compresslevel=1))
     bad = bytearray((mnist_dir / "t10k-labels-idx1-ubyte").read_bytes())
     bad[100] ^= 1  # one flipped bit: a well-formed gzip of the wrong payload
     (mirror / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(bad)))
@@ -153,6 +153,6 @@ def test_download_from_a_url_mirror(tmp_path, mnist_dir):
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for name in dl.SHA256:
-        (mirror / (name + ".gz")).write_bytes(gzip.compress((mnist_dir / name).read_bytes()))
+        (mirror / (name + ".gz")).write_bytes(gzip.compress((mnist_dir / name).read_bytes(), compresslevel=1))
     dl.download(tmp_path / "root", mirror=mirror.as_uri() + "/", quiet=True)
     assert all(hashlib.sha256((tmp_path / "root" / n).read_bytes()).hexdigest() == h for n, h in dl.SHA256.items())

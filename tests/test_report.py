@@ -32,7 +32,7 @@ def figures(markdown: str) -> list[str]:
 def test_report_from_real_runs(runs, tmp_path):
     path = report.main(["--runs", str(runs), "--out", str(tmp_path / "report")])
     text = path.read_text()
-    summary = json.loads((runs / "lenet-short" / "summary.json").read_text())
+    summary = json.loads((runs / "lenet-short" / "record.json").read_text())
     assert f"{100 * summary['test_acc']:.2f}%" in text
     assert "| gelu_py" not in text or "gradcheck" in text
     assert "GELU" in text and "passed" in text  # the verification table
@@ -55,15 +55,15 @@ def test_missing_runs_folder_gives_notes(tmp_path):
 def test_half_written_and_old_runs_give_notes(runs, tmp_path):
     broken = tmp_path / "runs"
     shutil.copytree(runs / "lenet-short", broken / "lenet-killed")
-    (broken / "lenet-killed" / "summary.json").unlink()  # killed before the end
+    (broken / "lenet-killed" / "record.json").unlink()  # killed before the end
     shutil.copytree(runs / "lenet-short", broken / "lenet-old")
-    old = json.loads((broken / "lenet-old" / "summary.json").read_text())
+    old = json.loads((broken / "lenet-old" / "record.json").read_text())
     del old["confusion"], old["per_class_acc"]  # as written by an older version of the script
-    (broken / "lenet-old" / "summary.json").write_text(json.dumps(old))
+    (broken / "lenet-old" / "record.json").write_text(json.dumps(old))
     bench = broken / "bench-gpt-tiny-2xcpu"
     bench.mkdir()
     (bench / "bench.json").write_text('{"rows": [')  # half-written
     text = report.main(["--runs", str(broken), "--out", str(tmp_path / "r")]).read_text()
-    assert "`lenet-killed` has no summary.json" in text and "RESUME=auto RUN=lenet-killed" in text
+    assert "`lenet-killed` has no record.json" in text and "RESUME=auto RUN=lenet-killed" in text
     assert "could not be built (KeyError" in text
     assert "bench.json` is unreadable" in text

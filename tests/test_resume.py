@@ -64,7 +64,7 @@ def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
         assert "SIGINT received: saved" in output and "--resume auto" in output
     else:
         assert proc.returncode == -signal.SIGKILL
-    assert not (tmp_path / "cut" / "summary.json").exists(), "the run must have been cut before its end"
+    assert not (tmp_path / "cut" / "record.json").exists(), "the run must have been cut before its end"
     resumed = run_script("fabric_lenet.py", *args, "--resume", "auto")
     assert "resumed from" in resumed.stdout
     assert_same_run(reference, tmp_path / "cut")
@@ -121,6 +121,6 @@ def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
     wait_for_checkpoint(tmp_path / "cut", proc)
     os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, as a scheduler kills a job
     proc.communicate(timeout=60)
-    assert not (tmp_path / "cut" / "summary.json").exists()
+    assert not (tmp_path / "cut" / "record.json").exists()
     run_script("fabric_lenet.py", *args, "--run-name", "cut", "--resume", "auto")
     assert_same_run(tmp_path / "whole", tmp_path / "cut")

@@ -1,0 +1,196 @@
+"""The arithmetic behind fabric_gpt.py's figures: FLOPs per token, peak FLOP/s (datasheet dense peaks for
+GPUs, a measured matmul probe for CPUs), peak memory, and the per-device memory plan of every strategy."""
+
+import resource
+import time
+
+import psutil
+import torch
+
+from strategies import data_parallel_size, is_deepspeed, pp_size, tp_size, zero_stage
+
+# Dense (not sparse) peak FLOP/s per GPU from NVIDIA's datasheets, for the dtype the matmuls run in.
+# Lightning's get_available_flops lists some sparse figures (H100 NVL, H200) and misses names, so it is not used.
+PEAK_FLOPS = {
+    "a100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "h100 sxm": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "h100 pcie": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "h100 nvl": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+    "h200 sxm": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "h200 nvl": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+}
+
+
+def gpu_chip(name: str) -> str | None:
+    """The PEAK_FLOPS row of a CUDA device name, or None when it is not listed."""
+    name = name.lower()
+    for family in ("h200", "h100"):
+        if family in name:
+            if "nvl" in name:
+                return f"{family} nvl"
+            if family == "h100" and "pcie" in name:
+                return "h100 pcie"
+            return f"{family} sxm"
+    return "a100" if "a100" in name else None
+
+
+def dtype_kind(precision: str) -> str:
+    return "bf16" if "bf16" in precision else "fp16" if "16" in precision else "fp32"
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device for this precision, where the figure comes from)."""
+    if device.type == "cuda":
+        chip = gpu_chip(torch.cuda.get_device_name(device))
+        if chip is None:
+            return None, "unknown GPU (not in PEAK_FLOPS)"
+        return PEAK_FLOPS[chip][dtype_kind(precision)], f"datasheet dense peak, {chip}"
+    return measured_cpu_matmul_flops(precision), "measured CPU matmul probe"
+
+
+def measured_cpu_matmul_flops(precision: str, n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s this process reaches on square matmuls in the run's dtype: the CPU's achievable peak, since
+    CPUs have no datasheet figure that counts threads, frequency and AMX/AVX-512 alike."""
+    dtype = torch.bfloat16 if dtype_kind(precision) == "bf16" else torch.float32
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def flops_per_token(cfg, n_params: int) -> dict:
+    """Training FLOPs per token. Standard (PaLM appendix B, nanoGPT): 6N + 12·L·H·Q·T, the model's work.
+    Course formula: 8N, i.e. 6N plus a second forward (2N) as activation recomputation costs."""
+    attention = 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.seq_len
+    return {"standard": 6 * n_params + attention, "course_8n": 8 * n_params}
+
+
+def peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"max_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+                "max_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory
+    return {"max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "rss_gb": psutil.Process().memory_info().rss / 2**30}
+
+
+# ----------------------------------------------------------------------------- memory plan
+def block_params(h: int) -> int:
+    return 12 * h * h + 13 * h
+
+
+def largest_layer_params(cfg) -> int:
+    return max(cfg.vocab_size * cfg.n_embd, block_params(cfg.n_embd))
+
+
+def model_states(cfg, P: int) -> dict:
+    """Bytes per device of weights, gradients and optimizer state. 16-bit DeepSpeed follows its own
+    estimate_zero2/3_model_states_mem_needs; the rest counts what each strategy keeps on a rank."""
+    N, stage, offload = cfg.devices * cfg.num_nodes, zero_stage(cfg.strategy), cfg.strategy.endswith("_offload")
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "ddp_buckets": 0.0, "gathered_layer": 0.0}
+    if is_deepspeed(cfg.strategy):
+        if half:  # 16-bit weights and grads; fp32 grads, master weights, Adam m and v per partition (4+4+8)
+            states.update(params=2 * P / N if stage == 3 else 2 * P,
+                          grads=0 if stage == 3 else 2 * P / N if stage == 2 else 2 * P, optimizer=16 * P / N)
+        else:  # fp32 weights; ZeRO keeps its own fp32 master copy of each partition besides Adam's m and v
+            states.update(params=4 * P / N if stage == 3 else 4 * P, grads=4 * P / N if stage >= 2 else 4 * P,
+                          optimizer=8 * P / N, master=4 * P / N if stage in (1, 2) else 0)
+        states["gathered_layer"] = 4 * largest_layer_params(cfg) if stage == 3 else 0  # as DeepSpeed's estimator
+        if offload:
+            states.update(optimizer=0, grads=0, master=0, params=0 if stage == 3 else states["params"])
+        return states
+    # Fabric's strategies keep fp32 weights under autocast; bf16-true holds everything in 2 bytes
+    per = 2 if cfg.precision == "bf16-true" else 4
+    t, p = tp_size(cfg), pp_size(cfg)
+    blocks = L * block_params(h)
+    embeddings = V * h + S * h
+    if cfg.strategy in ("tp", "fsdp_tp"):
+        # matrices and the column-parallel biases are split t ways; LayerNorms, the row-parallel biases
+        # and the embeddings are replicated (Korthikanti et al. 2022, no sequence parallelism)
+        split = L * (12 * h * h + 3 * h + 4 * h)
+        held = split / t + (blocks - split) + embeddings + 2 * h
+    elif cfg.strategy == "pp":
+        layers = -(-L // p)  # the first stages take the extra layer
+        held = layers * block_params(h) + max(embeddings, V * h + 2 * h)  # first stage: wte+wpe; last: ln_f+head
+    else:
+        held = P
+    shard = data_parallel_size(cfg) if cfg.strategy in ("fsdp", "fsdp_tp") else 1
+    states.update(params=per * held / shard, grads=per * held / shard, optimizer=2 * per * held / shard)
+    if cfg.strategy == "ddp" and N > 1:
+        states["ddp_buckets"] = per * P  # DDP all-reduces from buckets that copy every gradient
+    if cfg.strategy in ("fsdp", "fsdp_tp"):
+        states["gathered_layer"] = per * block_params(h) / t * 2  # one block's weights, then its gradients
+    return states
+
+
+def activation_bytes(cfg, attn_implementation: str) -> dict:
+    """Activations of one micro-batch per layer, Korthikanti et al. 2022: s·b·h·(34 + 5·a·s/h) bytes in 16
+    bits, the 5·a·s/h term only when the attention scores are materialized (eager attention, not a fused
+    SDPA/flash kernel); tensor parallel divides all but 10·s·b·h of it by t."""
+    s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    scale = 1 if half else 2  # the formula counts 2-byte activations
+    t, p = tp_size(cfg), pp_size(cfg)
+    scores = 5 * a * s / h if attn_implementation == "eager" else 0
+    per_layer = s * b * h * (10 + (24 + scores) / t) * scale
+    resid = 2 if cfg.precision == "bf16-true" else 4  # autocast leaves the residual stream in fp32
+    logits = s * b * V * ((2 if half else 4) + 4 + 4) / t  # logits, their fp32 copy for the loss, its gradient
+    layers = -(-L // p)
+    in_flight = 1
+    if cfg.strategy == "pp":  # the first stage holds activations of up to p (1F1B) or m (GPipe) micro-batches
+        in_flight = min(p, cfg.grad_accum) if cfg.pp_schedule == "1f1b" else cfg.grad_accum
+    full = in_flight * layers * per_layer + logits
+    checkpointed = in_flight * layers * s * b * h * resid + per_layer + logits  # block inputs kept, one recomputed
+    return {"activations_full": full, "activations_checkpointed": checkpointed}
+
+
+def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
+    states = model_states(cfg, n_params)
+    acts = activation_bytes(cfg, attn_implementation)
+    activations = acts["activations_checkpointed"] if cfg.grad_checkpointing else acts["activations_full"]
+    plan = {**states, **acts, "activations": activations, "total": sum(states.values()) + activations,
+            "n_params": n_params, "largest_layer_params": largest_layer_params(cfg),
+            "model_states": sum(states.values()) - states["gathered_layer"]}
+    if cfg.strategy == "pp":
+        m, p = cfg.grad_accum, pp_size(cfg)
+        plan["bubble_fraction"] = (p - 1) / (m + p - 1)
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    plan["deepspeed_estimate"] = deepspeed_estimate(cfg, n_params) if is_deepspeed(cfg.strategy) and half else None
+    return plan
+
+
+def deepspeed_estimate(cfg, n_params: int) -> float | None:
+    """DeepSpeed's own per-GPU model-state estimate for ZeRO-2/3 (it has none for stage 1)."""
+    stage, offload = zero_stage(cfg.strategy), cfg.strategy.endswith("_offload")
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return estimate_zero2_model_states_mem_needs(n_params, cfg.devices, cfg.num_nodes, cpu_offload=offload)[1]
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        return estimate_zero3_model_states_mem_needs(n_params, largest_layer_params(cfg), cfg.devices, cfg.num_nodes,
+                                                     cpu_offload=offload, cpu_offload_params=offload)[1]
+    return None
+
+
+def held_bytes(model, optimizer) -> dict:
+    """Bytes this rank actually holds in parameters and optimizer state (local shards only): the
+    measurement the plan's model states are checked against."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    module = getattr(model, "module", model)
+    params = sum(local(p).numel() * p.element_size() for p in module.parameters())
+    opt = getattr(optimizer, "optimizer", optimizer)
+    state = sum(local(v).numel() * v.element_size() for s in getattr(opt, "state", {}).values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": params, "optimizer": state}

@@ -1,0 +1,402 @@
+"""How fabric_gpt.py spreads a GPT-2 over processes, one builder per strategy, all through Lightning Fabric.
+
+    ddp                  replicated model, gradients all-reduced (Fabric's DDPStrategy)
+    deepspeed_stage_N    ZeRO-1/2/3 (+ CPU/NVMe offload); on CPU through CPUDeepSpeedStrategy below
+    fsdp                 FSDP2 (`fully_shard`), one unit per transformer block plus the root
+    tp                   Megatron tensor parallel of every block: attention split by heads, MLP by columns
+    fsdp_tp              2-D: tensor parallel inside groups of --tp-size, FSDP2 across them
+    pp                   --pp-size stages of contiguous blocks, GPipe or 1F1B over --grad-accum micro-batches
+
+fsdp, tp, fsdp_tp and pp run under Fabric's ModelParallelStrategy, which launches the processes, builds the
+device mesh and saves distributed checkpoints; the functions here decide what each rank holds.
+`export_state_dict` turns any strategy's model (or checkpoint) back into one ordinary GPT-2 state dict.
+"""
+
+import argparse
+import functools
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
+              "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
+MODEL_PARALLEL = ("fsdp", "tp", "fsdp_tp", "pp")
+
+
+def is_deepspeed(strategy: str) -> bool:
+    return strategy.startswith("deepspeed")
+
+
+def zero_stage(strategy: str) -> int:
+    return int(strategy.split("_")[2]) if is_deepspeed(strategy) else 0
+
+
+def tp_size(cfg) -> int:
+    """Tensor-parallel group size: all processes for `tp`, --tp-size for `fsdp_tp`, else 1."""
+    world = cfg.devices * cfg.num_nodes
+    return (cfg.tp_size or world) if cfg.strategy in ("tp", "fsdp_tp") else 1
+
+
+def pp_size(cfg) -> int:
+    return (cfg.pp_size or cfg.devices * cfg.num_nodes) if cfg.strategy == "pp" else 1
+
+
+def data_parallel_size(cfg) -> int:
+    return cfg.devices * cfg.num_nodes // (tp_size(cfg) * pp_size(cfg))
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+def deepspeed_config(cfg) -> dict:
+    """Written out rather than left to defaults: accumulation and clipping must live here under DeepSpeed
+    (Fabric's no_backward_sync and clip_gradients do not apply), and offload targets are explicit."""
+    stage = zero_stage(cfg.strategy)
+    zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True,
+            "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8}
+    if cfg.strategy.endswith("_offload"):
+        target = {"device": "nvme", "nvme_path": cfg.nvme_path} if cfg.nvme_path else {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = dict(target)
+        if stage == 3:
+            zero["offload_param"] = dict(target)
+    config = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
+              "gradient_clipping": cfg.grad_clip, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if cfg.nvme_path:
+        config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    return config
+
+
+def cpu_deepspeed_strategy(config: dict):
+    """Fabric's DeepSpeedStrategy accepts only CUDA; DeepSpeed itself runs ZeRO on the CPU (its CPU
+    accelerator, gloo). This subclass lifts only the CUDA checks, through Fabric's extension points."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, here and in the workers
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
+    from lightning.fabric.utilities.seed import reset_seed
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            if self.global_rank == 0:
+                print("note: DeepSpeed on CPU (gloo) is for learning and verification; its speed says nothing "
+                      "about GPUs", flush=True)
+            DDPStrategy.setup_environment(self)  # what the parent does after its CUDA-only check
+
+        def _setup_distributed(self) -> None:  # the parent's, less the GPU-index check CPU devices cannot pass
+            reset_seed()
+            self._set_world_ranks()
+            self._init_deepspeed_distributed()
+            if not self._config_initialized:
+                self._format_config()
+                self._config_initialized = True
+
+        def _initialize_engine(self, model, optimizer=None, scheduler=None):
+            import deepspeed  # a CPU device has no index: DeepSpeed's device_rank is the local rank
+
+            engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
+                lr_scheduler=scheduler, dist_init_required=False)
+            return engine, ds_optimizer, ds_scheduler
+
+    return CPUDeepSpeedStrategy(config=config)
+
+
+# ----------------------------------------------------------------------------- the Fabric strategy
+def make_strategy(cfg, on_gpu: bool):
+    """The object (or name) handed to Fabric(strategy=...)."""
+    if is_deepspeed(cfg.strategy):
+        from lightning.fabric.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
+    if cfg.strategy in MODEL_PARALLEL:
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        # Mesh dimensions: (data_parallel, tensor_parallel); pp uses the second one for its stages.
+        inner = pp_size(cfg) if cfg.strategy == "pp" else tp_size(cfg)
+        return ModelParallelStrategy(parallelize_fn=functools.partial(parallelize, cfg=cfg),
+                                     data_parallel_size=data_parallel_size(cfg), tensor_parallel_size=inner)
+    return cfg.strategy
+
+
+def parallelize(model: nn.Module, device_mesh, cfg) -> nn.Module:
+    """ModelParallelStrategy's hook: turn the whole model into what this rank holds."""
+    if cfg.strategy in ("tp", "fsdp_tp"):
+        apply_tensor_parallel(model, device_mesh["tensor_parallel"], cfg.n_head)
+    if cfg.strategy in ("fsdp", "fsdp_tp"):
+        apply_fsdp(model, device_mesh["data_parallel"])
+    if cfg.strategy == "pp":
+        model = pipeline_stage_module(model, device_mesh["tensor_parallel"].get_local_rank(), pp_size(cfg))
+    return model
+
+
+# ----------------------------------------------------------------------------- FSDP2
+def apply_fsdp(model: nn.Module, dp_mesh) -> None:
+    """One FSDP unit per transformer block, then the root (embeddings, final norm, tied LM head): each
+    block's parameters are gathered just before it runs and freed after, as the memory plan counts."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def conv1d_to_linear(conv) -> nn.Linear:
+    """HF GPT-2's Conv1D holds its weight as [in, out] and computes x @ W + b; nn.Linear holds [out, in].
+    The same numbers, transposed, so PyTorch's ColwiseParallel/RowwiseParallel apply unchanged."""
+    linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1], device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    return linear
+
+
+def qkv_rows_by_rank(n_embd: int, n_head: int, tp: int) -> torch.Tensor:
+    """Row order of the fused q,k,v weight ([3h, h] as nn.Linear) that puts each rank's whole heads of q, k
+    and v next to each other, so an even column split gives rank r the q, k and v of heads
+    r*n/t ... (r+1)*n/t. (Splitting the fused weight as it is would hand rank 0 all of q and part of k.)"""
+    local = n_embd // tp  # whole heads, since tp divides n_head
+    rows = [part * n_embd + r * local + torch.arange(local) for r in range(tp) for part in range(3)]
+    return torch.cat(rows)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, n_head: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        n_embd = attn.embed_dim
+        attn.c_attn = conv1d_to_linear(attn.c_attn)
+        order = qkv_rows_by_rank(n_embd, n_head, tp)
+        with torch.no_grad():
+            attn.c_attn.weight.copy_(attn.c_attn.weight[order])
+            attn.c_attn.bias.copy_(attn.c_attn.bias[order])
+        attn.c_proj, mlp.c_fc, mlp.c_proj = (conv1d_to_linear(m) for m in (attn.c_proj, mlp.c_fc, mlp.c_proj))
+        # Each rank now computes n_head / tp heads: HF's attention splits c_attn's output by split_size.
+        attn.split_size, attn.num_heads, attn.embed_dim = n_embd // tp, n_head // tp, n_embd // tp
+        parallelize_module(block, tp_mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+
+
+def undo_tensor_parallel(state_dict: dict, n_layer: int, n_embd: int, n_head: int, tp: int) -> dict:
+    """A gathered TP state dict (Linear layout, heads grouped by rank) back to HF's Conv1D layout."""
+    inverse = torch.argsort(qkv_rows_by_rank(n_embd, n_head, tp))
+    out = dict(state_dict)
+    for i in range(n_layer):
+        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            w, b = f"transformer.h.{i}.{name}.weight", f"transformer.h.{i}.{name}.bias"
+            if w not in out:
+                continue
+            if name == "attn.c_attn":
+                out[w], out[b] = out[w][inverse], out[b][inverse]
+            out[w] = out[w].t().contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------- pipeline parallel
+def stage_blocks(n_layer: int, pp: int, stage: int) -> range:
+    """Contiguous blocks of one stage; the first stages take one more when the layers do not divide."""
+    per, extra = divmod(n_layer, pp)
+    start = stage * per + min(stage, extra)
+    return range(start, start + per + (1 if stage < extra else 0))
+
+
+class GPT2Stage(nn.Module):
+    """One pipeline stage of GPT2LMHeadModel: the embeddings on the first, contiguous blocks, the final
+    norm and LM head on the last. Parameter names are the whole model's (transformer.h.7.attn...), so
+    the stages' checkpoints together are one ordinary GPT-2 state dict."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+        super().__init__()
+        t = model.transformer
+        self.first, self.last = first, last
+        self.transformer = nn.Module()
+        if first:
+            self.transformer.wte, self.transformer.wpe, self.transformer.drop = t.wte, t.wpe, t.drop
+        self.transformer.h = nn.ModuleDict({str(i): t.h[i] for i in blocks})
+        if last:
+            self.transformer.ln_f, self.lm_head = t.ln_f, model.lm_head
+            if not first:  # the tied embedding lives on two stages: its own copy here, gradients summed
+                self.lm_head.weight = nn.Parameter(t.wte.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(positions))
+        for block in self.transformer.h.values():
+            x = block(x)  # no mask: HF's SDPA attention is causal when none is given
+        if self.last:
+            x = self.lm_head(self.transformer.ln_f(x))
+        return x
+
+
+def pipeline_stage_module(model: nn.Module, stage: int, pp: int) -> GPT2Stage:
+    n_layer = len(model.transformer.h)
+    return GPT2Stage(model, stage_blocks(n_layer, pp, stage), first=stage == 0, last=stage == pp - 1)
+
+
+def causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss GPT2LMHeadModel computes from labels=input_ids: predict token t+1 from tokens up to t."""
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def make_pipeline_schedule(stage_module, fabric, mesh, schedule: str, n_micro: int):
+    """A torch.distributed.pipelining schedule over the stage group; the loss is the mean over the
+    micro-batches (scale_grads), as with gradient accumulation elsewhere."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pp_mesh = mesh["tensor_parallel"]
+    stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), fabric.device, group=pp_mesh.get_group())
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    return cls(stage, n_microbatches=n_micro, loss_fn=causal_lm_loss, scale_grads=True)
+
+
+def sync_tied_embedding(module, mesh) -> None:
+    """The first and last stage each hold the tied wte/lm_head weight: sum their gradients so both
+    copies take the same update, as the single tied parameter would."""
+    pp_mesh = mesh["tensor_parallel"]
+    if pp_mesh.size() == 1:
+        return
+    import torch.distributed as dist
+
+    holder = module.transformer.wte.weight if module.first else module.lm_head.weight if module.last else None
+    if pp_mesh.get_local_rank() not in (0, pp_mesh.size() - 1):
+        return
+    ranks = [dist.get_global_rank(pp_mesh.get_group(), r) for r in (0, pp_mesh.size() - 1)]
+    group = tied_group(tuple(ranks))
+    dist.all_reduce(holder.grad, group=group)
+
+
+@functools.cache
+def tied_group(ranks: tuple):
+    import torch.distributed as dist
+
+    return dist.new_group(list(ranks))
+
+
+# ----------------------------------------------------------------------------- gradients, any strategy
+def local_module(model, strategy: str) -> nn.Module:
+    """What this rank runs: the pipeline stage under pp (Fabric's wrapper keeps the whole model as
+    `.module`), the model itself (sharded in place by FSDP2/TP) otherwise."""
+    return model._forward_module if strategy == "pp" else getattr(model, "module", model)
+
+
+def grad_norm(model, cfg, fabric) -> float:
+    """The global L2 norm of the gradient, the same quantity for every strategy: sharded gradients are
+    combined across ranks, tied and replicated ones counted once."""
+    if is_deepspeed(cfg.strategy):
+        norm = model._forward_module.get_global_grad_norm() if hasattr(model, "_forward_module") else None
+        return float(norm) if norm is not None else float("nan")
+    from torch.distributed.tensor import DTensor
+
+    square = torch.zeros((), dtype=torch.float64, device=fabric.device)
+    module = local_module(model, cfg.strategy)
+    for name, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        if cfg.strategy == "pp" and name == "lm_head.weight" and not module.first:
+            continue  # the tied embedding's copy: counted on the first stage
+        g = p.grad
+        n = torch.linalg.vector_norm(g.float())
+        square += (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
+    if cfg.strategy == "pp" and fabric.world_size > 1:
+        import torch.distributed as dist
+
+        # stages hold disjoint parameters; data-parallel replicas hold the same, so divide them out
+        dist.all_reduce(square)
+        square /= data_parallel_size(cfg)
+    return float(square.sqrt())
+
+
+def clip_grad_norm(model, cfg, fabric, max_norm: float) -> float:
+    """Clip to max_norm by the global norm above (torch's clip_grad_norm_ cannot mix DTensor and plain
+    gradients, nor see the other pipeline stages)."""
+    norm = grad_norm(model, cfg, fabric)
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for p in local_module(model, cfg.strategy).parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def all_reduce_pipeline_grads(module, mesh) -> None:
+    """Data parallel across pipelines: average each stage's gradients over its replicas."""
+    dp_mesh = mesh["data_parallel"]
+    if dp_mesh.size() == 1:
+        return
+    import torch.distributed as dist
+
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_mesh.get_group())
+
+
+# ----------------------------------------------------------------------------- one ordinary state dict
+def export_state_dict(fabric, model, cfg) -> dict | None:
+    """The full model as GPT2LMHeadModel.state_dict() keys and layout, on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    if is_deepspeed(cfg.strategy):
+        engine = model._forward_module if hasattr(model, "_forward_module") else model
+        if zero_stage(cfg.strategy) == 3:
+            import deepspeed
+
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                sd = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+        else:
+            sd = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+        return sd if fabric.global_rank == 0 else None
+    module = local_module(model, cfg.strategy)
+    if cfg.strategy in ("fsdp", "tp", "fsdp_tp"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if fabric.global_rank != 0:
+            return None
+        sd = {k: v.float() for k, v in sd.items()}
+        return undo_tensor_parallel(sd, cfg.n_layer, cfg.n_embd, cfg.n_head, tp_size(cfg)) if tp_size(cfg) > 1 else sd
+    if cfg.strategy == "pp":
+        local = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
+        parts = [None] * fabric.world_size if fabric.global_rank == 0 else None
+        dist.gather_object(local, parts, dst=0)
+        if fabric.global_rank != 0:
+            return None
+        sd = {}
+        for part in parts:
+            sd.update(part)
+        return sd
+    return {k: v.detach().float().cpu() for k, v in module.state_dict().items()} if fabric.global_rank == 0 else None
+
+
+def export_checkpoint(folder) -> dict:
+    """A checkpoint folder of any strategy (runs/R/checkpoints/step-N) as one ordinary GPT-2 state dict,
+    in one process: DeepSpeed's zero_to_fp32 for ZeRO, DCP's reader for FSDP2/TP/PP, then TP undone."""
+    import json
+
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = folder / "state"
+    if is_deepspeed(cfg["strategy"]):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(state))
+    elif state.is_dir() and list(state.glob("rank-*.pt")):  # pipeline stages: one file per rank
+        sd = {}
+        for part in sorted(state.glob("rank-*.pt")):
+            sd.update(torch.load(part, map_location="cpu", weights_only=False)["model"])
+    elif state.is_dir():  # a distributed checkpoint (DCP) of ModelParallelStrategy
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        keys = {k for k in FileSystemReader(str(state)).read_metadata().state_dict_metadata if k.startswith("model.")}
+        sd = {k.removeprefix("model."): v for k, v in _load_state_dict_from_keys(keys, checkpoint_id=str(state)).items()}
+    else:
+        sd = torch.load(state, map_location="cpu", weights_only=False)["model"]
+    sd = {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    if cfg["strategy"] in ("tp", "fsdp_tp"):
+        world = cfg["devices"] * cfg["num_nodes"]
+        sd = undo_tensor_parallel(sd, cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["tp_size"] or world)
+    return sd
