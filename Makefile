@@ -18,14 +18,15 @@ LENET_FLAGS = $(FABRIC_FLAGS) $(call flag,EPOCHS,--epochs) $(call flag,BATCH,--b
 	$(call flag,DATA,--data) $(call flag,WORKERS,--num-workers) $(ARGS)
 GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps) $(call flag,MICRO_BATCH,--micro-batch-size) \
 	$(call flag,ACCUM,--grad-accum) $(call flag,SAMPLES,--num-samples) $(call flag,SEQ,--seq-len) \
-	$(if $(filter 1 yes true,$(CKPT)),--grad-checkpointing) $(call flag,NVME,--nvme-path) $(ARGS)
+	$(if $(filter 1 yes true,$(CKPT)),--grad-checkpointing) $(call flag,NVME,--nvme-path) $(call flag,TP,--tp-size) \
+	$(call flag,PP,--pp-size) $(call flag,PP_SCHEDULE,--pp-schedule) $(call flag,OPTIMIZER,--optimizer) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data lenet tb test gelu-check bench-gelu bench-lenet gpt gpt-plan bench-gpt report clean
+.PHONY: help setup data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-plan bench-gpt report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
-	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME |"
+	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
 	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags'"
 
 # The virtual environment is rebuilt only when requirements.txt changes.
@@ -49,6 +50,9 @@ tb: $(VENV)/.installed ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
 
 test: $(VENV)/.installed ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
 	$(PY) -m pytest tests $(ARGS)
+
+test-fast: $(VENV)/.installed ## the single-process tests only (no multi-process or DeepSpeed runs), for development
+	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
 gelu-check: $(VENV)/.installed ## compare the Python and C++ GELU with F.gelu, plus gradcheck
 	$(PY) -m gelu_ext check

@@ -85,11 +85,15 @@ def bench_gpt(args) -> None:
     cases = [(s, p) for p in args.precisions for s in args.strategies]
     for strategy, precision in progress(cases, "gpt sweep"):
         devices = 1 if strategy == "auto" else args.devices
-        micro = global_batch // devices  # the same global batch, so every row trains on the same samples
+        # The same global batch, so every row trains on the same samples: tensor and pipeline parallel
+        # ranks share one batch (pp splits it into one micro-batch per stage), the others split it.
+        shared = strategy in ("tp", "pp")
+        micro = global_batch // (devices if strategy == "pp" else 1 if shared else devices)
+        accum = ["--grad-accum", devices] if strategy == "pp" else []
         run_name = f"{strategy}-{precision}"
         flags = ["--model", args.model, "--strategy", strategy, "--precision", precision, "--devices", devices,
-                 "--accelerator", args.accelerator, "--micro-batch-size", micro, "--num-samples", args.num_samples,
-                 "--out-dir", out, "--run-name", run_name, *args.extra]
+                 "--accelerator", args.accelerator, "--micro-batch-size", micro, *accum, "--num-samples",
+                 args.num_samples, "--out-dir", out, "--run-name", run_name, *args.extra]
         started = time.time()
         code, last = run("fabric_gpt.py", flags, env)
         print(f"{run_name} on {devices} device(s): {'ok' if code == 0 else 'failed: ' + last} ({time.time() - started:.0f} s)",
@@ -139,7 +143,8 @@ def main() -> None:
     gpt.add_argument("--accelerator", default="cuda" if _cuda() else "cpu")
     gpt.add_argument("--micro-batch-size", type=int, default=4, help="per device when all devices are used")
     gpt.add_argument("--num-samples", type=int, default=256)
-    gpt.add_argument("--strategies", nargs="+", default=["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3",
+    gpt.add_argument("--strategies", nargs="+", default=["auto", "ddp", "fsdp", "tp", "pp", "deepspeed_stage_1",
+                                                         "deepspeed_stage_2", "deepspeed_stage_3",
                                                          "deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
     gpt.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
     gpt.add_argument("extra", nargs="*", help="more fabric_gpt.py flags (after --)")

@@ -53,6 +53,7 @@ def test_dataloader_path_trains_exactly_like_the_in_memory_path(mnist_dir, tmp_p
     assert mem["test_loss"] == loader["test_loss"] and mem["test_acc"] == loader["test_acc"]
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
     common = [*QUICK, "--epochs", "1", "--max-steps", "40", "--batch-size", "64", "--data-dir", mnist_dir,
               "--out-dir", tmp_path]
@@ -100,3 +101,13 @@ def test_unknown_choice_is_an_argparse_error(capsys):
 def test_bad_flag_from_the_command_line_is_one_line(tmp_path):
     proc = run_script("fabric_lenet.py", "--strategy", "dp", "--out-dir", tmp_path, check=False, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: --strategy dp")
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        fabric_lenet.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for field in fabric_lenet.dataclasses.fields(Config):
+        assert "--" + field.name.replace("_", "-") in text
+    assert "global batch: split evenly across all processes (default: 128)" in text
+    assert "one of: relu, gelu_torch, gelu_py, gelu_cpp" in text

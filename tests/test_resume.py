@@ -112,6 +112,7 @@ def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
     assert torch.isfinite(torch.load(good[-1] / "state", weights_only=False)["model"]["features.0.weight"]).all()
 
 
+@pytest.mark.slow
 def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
     args = ["--epochs", "1", "--train-samples", "20000", "--checkpoint-every", "30", "--keep-last", "20",
             "--no-tb-images", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir,
@@ -124,3 +125,20 @@ def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
     assert not (tmp_path / "cut" / "record.json").exists()
     run_script("fabric_lenet.py", *args, "--run-name", "cut", "--resume", "auto")
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+@pytest.mark.slow
+def test_resumed_on_another_process_count(mnist_dir, tmp_path):
+    """LeNet's state is replicated and its global batches do not depend on the world size: a run cut on one
+    process continues on two and ends where the uninterrupted single-process run ends (float tolerance;
+    no augmentation, whose per-rank draws depend on the world size)."""
+    args = [*ARGS, "--no-augment", "--precision", "32-true", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    run_script("fabric_lenet.py", *args, "--run-name", "whole")
+    run_script("fabric_lenet.py", *args, "--run-name", "moved", "--max-steps", "120")
+    proc = run_script("fabric_lenet.py", *args, "--run-name", "moved", "--resume", "auto", "--devices", "2",
+                      "--strategy", "ddp")
+    assert "resumed from" in proc.stdout
+    moved, whole = read_summary(tmp_path / "moved"), read_summary(tmp_path / "whole")
+    assert moved["steps"] == whole["steps"] and moved["world_size"] == 2
+    assert moved["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-3)
+    assert abs(moved["test_acc"] - whole["test_acc"]) <= 0.002
