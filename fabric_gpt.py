@@ -505,7 +505,9 @@ def run(cfg: Config) -> dict:
         take_step = lambda r, m, o, b: step_pipeline(r, m, o, b, schedule)  # noqa: E731
 
     progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0)
-    state = {"model": model, "optimizer": optimizer, "progress": progress}
+    # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state_dict is the whole model's)
+    state = {"model": strategies.local_module(model, cfg.strategy) if cfg.strategy == "pp" else model,
+             "optimizer": optimizer, "progress": progress}
     run = Run(fabric, cfg, "gpt", RUNTIME_FIELDS, state, check_config=lambda saved: check_resume(saved, cfg),
               per_rank_checkpoints=cfg.strategy == "pp")
     run.start()

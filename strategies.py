@@ -392,7 +392,7 @@ def export_checkpoint(folder) -> dict:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
         keys = {k for k in FileSystemReader(str(state)).read_metadata().state_dict_metadata if k.startswith("model.")}
-        sd = {k.removeprefix("model."): v for k, v in _load_state_dict_from_keys(keys, checkpoint_id=str(state)).items()}
+        sd = _load_state_dict_from_keys(keys, checkpoint_id=str(state))["model"]  # nested back under "model"
     else:
         sd = torch.load(state, map_location="cpu", weights_only=False)["model"]
     sd = {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}

@@ -185,7 +185,7 @@ def test_stop_at_step_3_and_resume_gives_the_uninterrupted_run(two_process, tmp_
     exported = strategies.export_checkpoint(tmp_path / "cut" / "checkpoints" / "step-00000012")
     final = torch.load(whole_out / whole / "gpt2_state_dict.pt")
     for key in final:  # a sharded checkpoint, read in one process, is one ordinary GPT-2 state dict
-        torch.testing.assert_close(exported[key], final[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(exported[key], final[key], rtol=1e-4, atol=1e-5, msg=key)
     model = gpt.build_model(gpt.resolve(gpt.Config(model="tiny")))
     missing, unexpected = model.load_state_dict(exported, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
