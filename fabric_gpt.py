@@ -415,11 +415,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan:
         return
-    gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
+    check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
     if cfg.precision == "16-mixed" and cfg.strategy in strategies.MODEL_PARALLEL:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
-    del gpu
     per_step = samples_per_step(cfg)
     if cfg.num_samples % per_step:
         raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "

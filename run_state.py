@@ -7,6 +7,7 @@ or a folder of shards) and `config.json`. A checkpoint is written under a `.part
 renamed when every rank has finished, so a `step-N` folder is always complete.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -496,13 +497,8 @@ class Stopwatch:
     def resume(self) -> None:
         self.mark = time.perf_counter()
 
+    @contextlib.contextmanager
     def paused(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def _paused():
-            self.pause()
-            yield
-            self.resume()
-
-        return _paused()
+        self.pause()
+        yield
+        self.resume()

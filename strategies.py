@@ -260,12 +260,12 @@ def sync_tied_embedding(module, mesh) -> None:
         return
     import torch.distributed as dist
 
-    holder = module.transformer.wte.weight if module.first else module.lm_head.weight if module.last else None
-    if pp_mesh.get_local_rank() not in (0, pp_mesh.size() - 1):
-        return
-    ranks = [dist.get_global_rank(pp_mesh.get_group(), r) for r in (0, pp_mesh.size() - 1)]
-    group = tied_group(tuple(ranks))
-    dist.all_reduce(holder.grad, group=group)
+    # new_group is collective: every rank creates the group, only its two members use it
+    group = tied_group(tuple(dist.get_global_rank(pp_mesh.get_group(), r) for r in (0, pp_mesh.size() - 1)))
+    if module.first:
+        dist.all_reduce(module.transformer.wte.weight.grad, group=group)
+    elif module.last:
+        dist.all_reduce(module.lm_head.weight.grad, group=group)
 
 
 @functools.cache
