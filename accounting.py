@@ -94,13 +94,15 @@ def model_states(cfg, P: int) -> dict:
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
     states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "ddp_buckets": 0.0, "gathered_layer": 0.0}
+    moments = 2 if cfg.optimizer == "adamw" else 0  # AdamW's m and v; plain SGD keeps none
     if is_deepspeed(cfg.strategy):
         if half:  # 16-bit weights and grads; fp32 grads, master weights, Adam m and v per partition (4+4+8)
             states.update(params=2 * P / N if stage == 3 else 2 * P,
-                          grads=0 if stage == 3 else 2 * P / N if stage == 2 else 2 * P, optimizer=16 * P / N)
-        else:  # fp32 weights; ZeRO keeps its own fp32 master copy of each partition besides Adam's m and v
+                          grads=0 if stage == 3 else 2 * P / N if stage == 2 else 2 * P, optimizer=(8 + 4 * moments) * P / N)
+        else:  # fp32 weights; ZeRO keeps its own fp32 master copy of each partition besides Adam's m and v (ZeRO-3
+            # means to reuse fp32 weights, but deepspeed 0.19's check compares a torch.device with a str and copies)
             states.update(params=4 * P / N if stage == 3 else 4 * P, grads=4 * P / N if stage >= 2 else 4 * P,
-                          optimizer=8 * P / N, master=4 * P / N if stage in (1, 2) else 0)
+                          optimizer=4 * moments * P / N, master=4 * P / N)
         states["gathered_layer"] = 4 * largest_layer_params(cfg) if stage == 3 else 0  # as DeepSpeed's estimator
         if offload:
             states.update(optimizer=0, grads=0, master=0, params=0 if stage == 3 else states["params"])
@@ -121,7 +123,7 @@ def model_states(cfg, P: int) -> dict:
     else:
         held = P
     shard = data_parallel_size(cfg) if cfg.strategy in ("fsdp", "fsdp_tp") else 1
-    states.update(params=per * held / shard, grads=per * held / shard, optimizer=2 * per * held / shard)
+    states.update(params=per * held / shard, grads=per * held / shard, optimizer=moments * per * held / shard)
     if cfg.strategy == "ddp" and N > 1:
         states["ddp_buckets"] = per * P  # DDP all-reduces from buckets that copy every gradient
     if cfg.strategy in ("fsdp", "fsdp_tp"):
@@ -181,16 +183,22 @@ def deepspeed_estimate(cfg, n_params: int) -> float | None:
 
 
 def held_bytes(model, optimizer) -> dict:
-    """Bytes this rank actually holds in parameters and optimizer state (local shards only): the
-    measurement the plan's model states are checked against."""
+    """Bytes this rank actually holds in parameters, DeepSpeed's fp32 master partition and optimizer state
+    (local shards only): the measurement the plan's model states are checked against."""
     from torch.distributed.tensor import DTensor
 
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
 
     module = getattr(model, "module", model)
-    params = sum(local(p).numel() * p.element_size() for p in module.parameters())
-    opt = getattr(optimizer, "optimizer", optimizer)
-    state = sum(local(v).numel() * v.element_size() for s in getattr(opt, "state", {}).values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"params": params, "optimizer": state}
+    # ZeRO-3 leaves an empty placeholder in each parameter and keeps this rank's partition in ds_tensor
+    params = sum(nbytes(getattr(p, "ds_tensor", p)) for p in module.parameters())
+    outer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper -> torch's or DeepSpeed's optimizer
+    inner = getattr(outer, "optimizer", outer)  # DeepSpeed's ZeRO optimizer -> the torch optimizer it steps
+    state = sum(nbytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    # ZeRO copies its partition into fp32 master weights (ZeRO-3 shares them when they are fp32 on the same device)
+    masters = getattr(outer, "single_partition_of_fp32_groups", None) or [
+        m for m, w in zip(getattr(outer, "fp32_partitioned_groups_flat", []), getattr(outer, "fp16_partitioned_groups_flat", []))
+        if m.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()]
+    return {"params": params, "master": sum(nbytes(m) for m in masters), "optimizer": state}

@@ -232,14 +232,15 @@ def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[
     mesh, stage = fabric.strategy.device_mesh, strategies.local_module(model, cfg.strategy)
     tokens = torch.cat(micro_batches)
     losses: list = []
-    if stage.first and stage.last:
-        schedule.step(tokens, target=tokens, losses=losses)
-    elif stage.first:
-        schedule.step(tokens)
-    elif stage.last:
-        schedule.step(target=tokens, losses=losses)
-    else:
-        schedule.step()
+    with fabric.autocast():
+        if stage.first and stage.last:
+            schedule.step(tokens, target=tokens, losses=losses)
+        elif stage.first:
+            schedule.step(tokens)
+        elif stage.last:
+            schedule.step(target=tokens, losses=losses)
+        else:
+            schedule.step()
     strategies.sync_tied_embedding(stage, mesh)
     strategies.all_reduce_pipeline_grads(stage, mesh)
     norm = (strategies.clip_grad_norm if cfg.grad_clip else lambda m, c, f, _: strategies.grad_norm(m, c, f))(
@@ -499,8 +500,10 @@ def run(cfg: Config) -> dict:
     stop_at = min(total_steps, cfg.steps) if cfg.steps else total_steps
     take_step = step_deepspeed if is_deepspeed(cfg.strategy) else step_data_parallel
     if cfg.strategy == "pp":
-        schedule = strategies.make_pipeline_schedule(model, fabric, fabric.strategy.device_mesh, cfg.pp_schedule,
-                                                     cfg.grad_accum)
+        # the stage itself, not Fabric's wrapper: the schedule runs backward through autograd.grad, which
+        # the wrapper refuses under mixed precision; step_pipeline applies Fabric's autocast instead
+        schedule = strategies.make_pipeline_schedule(strategies.local_module(model, cfg.strategy), fabric,
+                                                     fabric.strategy.device_mesh, cfg.pp_schedule, cfg.grad_accum)
         take_step = lambda r, m, o, b: step_pipeline(r, m, o, b, schedule)  # noqa: E731
 
     progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0)

@@ -260,8 +260,9 @@ def sync_tied_embedding(module, mesh) -> None:
         return
     import torch.distributed as dist
 
-    # new_group is collective: every rank creates the group, only its two members use it
-    group = tied_group(tuple(dist.get_global_rank(pp_mesh.get_group(), r) for r in (0, pp_mesh.size() - 1)))
+    # new_group is collective: every rank creates every pipeline's group, in one order, and uses its own
+    pipelines = tuple(tuple(row) for row in mesh.mesh.tolist())  # rows: data-parallel replicas of the pipeline
+    group = tied_groups(pipelines)[mesh["data_parallel"].get_local_rank()]
     if module.first:
         dist.all_reduce(module.transformer.wte.weight.grad, group=group)
     elif module.last:
@@ -269,10 +270,11 @@ def sync_tied_embedding(module, mesh) -> None:
 
 
 @functools.cache
-def tied_group(ranks: tuple):
+def tied_groups(pipelines: tuple) -> list:
+    """One group per pipeline: its first and last stage."""
     import torch.distributed as dist
 
-    return dist.new_group(list(ranks))
+    return [dist.new_group([ranks[0], ranks[-1]]) for ranks in pipelines]
 
 
 # ----------------------------------------------------------------------------- gradients, any strategy
