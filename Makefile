@@ -22,12 +22,12 @@ GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps
 	$(call flag,PP,--pp-size) $(call flag,PP_SCHEDULE,--pp-schedule) $(call flag,OPTIMIZER,--optimizer) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-plan bench-gpt report clean
+.PHONY: help setup lab gpu-check data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-plan bench-gpt report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
-	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags'"
+	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags' | FORCE=1 STAGES=a,b (lab)"
 
 # The virtual environment is rebuilt only when requirements.txt changes.
 $(VENV)/.installed: requirements.txt
@@ -37,6 +37,12 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 setup: $(VENV)/.installed ## create .venv and install requirements.txt
+
+lab: $(VENV)/.installed ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
+	$(PY) lab.py --runs $(RUNS) $(if $(filter 1 yes true,$(FORCE)),--force) $(call flag,STAGES,--stages)
+
+gpu-check: $(VENV)/.installed ## CUDA machines: every GPU path with a verdict and its figure, into runs/gpu-check/
+	$(PY) lab.py --runs $(RUNS) gpu-check
 
 data: $(VENV)/.installed ## download and verify MNIST into data/mnist (MNIST_MIRROR=folder-or-URL when offline)
 	$(PY) datasets_local.py --root data/mnist

@@ -10,6 +10,7 @@ Results go to runs/bench-lenet/ and runs/bench-gpt-<model>-<devices>x<accelerato
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,14 @@ def run(script: str, args: list, env: dict | None = None) -> tuple[int, str]:
                           env={**os.environ, **(env or {})})
     last = (proc.stderr.strip().splitlines() or [""])[-1]
     return proc.returncode, last
+
+
+def fresh_or_kept(folder: Path, keep: bool) -> bool:
+    """--keep (make lab) reuses a case whose run finished; otherwise, and for a half-done case, start clean."""
+    if keep and (folder / "record.json").exists():
+        return True
+    shutil.rmtree(folder, ignore_errors=True)
+    return False
 
 
 def progress(items, desc: str):
@@ -95,7 +104,7 @@ def bench_gpt(args) -> None:
                  "--accelerator", args.accelerator, "--micro-batch-size", micro, *accum, "--num-samples",
                  args.num_samples, "--out-dir", out, "--run-name", run_name, *args.extra]
         started = time.time()
-        code, last = run("fabric_gpt.py", flags, env)
+        code, last = (0, "kept") if fresh_or_kept(out / run_name, args.keep) else run("fabric_gpt.py", flags, env)
         print(f"{run_name} on {devices} device(s): {'ok' if code == 0 else 'failed: ' + last} ({time.time() - started:.0f} s)",
               flush=True)
         record = read_record(out / run_name) if code == 0 else None
@@ -132,6 +141,7 @@ def write_table(out: Path, args, rows: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="runs")
+    parser.add_argument("--keep", action="store_true", help="reuse the cases whose runs finished (an interrupted sweep continues)")
     sub = parser.add_subparsers(dest="command", required=True)
     lenet = sub.add_parser("lenet", help="LeNet-5: data paths and time to accuracy")
     lenet.add_argument("--steps", type=int, default=400, help="optimizer steps of the throughput cases")

@@ -228,6 +228,30 @@ def section_gpt(rep: Report, runs: Path, chosen: Path | None) -> None:
     rep.figure(fig, "gpt_strategies.png", "strategy comparison")
 
 
+def section_gpu_check(rep: Report, runs: Path) -> None:
+    folder = runs / "gpu-check"
+    check, skipped = load_json(folder / "gpu-check.json"), load_json(folder / "skipped.json")
+    if check is None:
+        why = f"skipped by `make lab` on {skipped['date']}: {skipped['reason']}" if skipped else "not run yet"
+        rep.note(f"GPU check {why}. On a CUDA machine, `make gpu-check` runs every GPU path with a verdict.")
+        return
+    rep.add((folder / "table.md").read_text(), "")
+    samples = [line.split(",") for line in (folder / "nvml.csv").read_text().splitlines()[1:]] if (folder / "nvml.csv").exists() else []
+    if samples:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.5))
+        for gpu in sorted({row[1] for row in samples}):
+            rows = [row for row in samples if row[1] == gpu]
+            t = [float(row[0]) for row in rows]
+            a.plot(t, [float(row[2]) for row in rows], lw=0.8, label=f"GPU {gpu}")
+            b.plot(t, [float(row[3]) for row in rows], lw=0.8, label=f"GPU {gpu}")
+        a.set(xlabel="s", ylabel="%", title="GPU utilization (NVML)")
+        b.set(xlabel="s", ylabel="GiB", title="GPU memory used (NVML)")
+        a.legend(fontsize=7)
+        rep.figure(fig, "gpu_utilization.png", "GPU utilization and memory during the GPU check")
+    if (folder / "nvidia-smi.txt").exists():
+        rep.add("`nvidia-smi` while the 1.6B model trained:", "", "```", (folder / "nvidia-smi.txt").read_text().rstrip(), "```", "")
+
+
 def section_environment(rep: Report, runs: Path) -> None:
     records = [p for p in (list(runs.glob("*/*/record.json")) + list(runs.glob("*/record.json"))) if runs.is_dir()]
     env = None
@@ -261,6 +285,7 @@ def main(argv=None) -> Path:
     rep.section("LeNet-5 benchmark", section_lenet_bench, runs)
     rep.section("GELU operator", section_gelu, runs)
     rep.section("GPT-2: strategies compared", section_gpt, runs, Path(args.gpt_bench) if args.gpt_bench else None)
+    rep.section("GPU check", section_gpu_check, runs)
     rep.section("Environment", section_environment, runs)
     path = rep.write()
     print(f"wrote {path}")

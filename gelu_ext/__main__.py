@@ -39,13 +39,13 @@ def environment() -> dict:
 IMPLEMENTATIONS = {"py": gelu_py, "cpp": gelu_cpp}
 
 
-def max_errors(fn, approximate: str, dtype: torch.dtype, n: int = 1_000_000, seed: int = 0) -> dict:
+def max_errors(fn, approximate: str, dtype: torch.dtype, device: str = "cpu", n: int = 1_000_000, seed: int = 0) -> dict:
     """Largest forward and input-gradient differences from F.gelu, and the two losses, on fresh inputs
     spanning small and large magnitudes."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-3, 1.5, n, dtype=torch.float64)
-    x = x.to(dtype)
-    upstream = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    x = x.to(device, dtype)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64).to(device, dtype)
     results = []
     for f in (fn, lambda t, a: F.gelu(t, approximate=a)):
         xi = x.clone().requires_grad_()
@@ -57,8 +57,8 @@ def max_errors(fn, approximate: str, dtype: torch.dtype, n: int = 1_000_000, see
             "loss": loss, "loss_ref": loss_ref}
 
 
-def gradcheck(fn, approximate: str) -> bool:
-    x = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).mul(3).requires_grad_()
+def gradcheck(fn, approximate: str, device: str = "cpu") -> bool:
+    x = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).mul(3).to(device).requires_grad_()
     return torch.autograd.gradcheck(lambda t: fn(t, approximate), (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
@@ -68,10 +68,10 @@ def check(args) -> int:
     print(f"{'impl':<5}{'approx':<7}{'dtype':<9}{'max |dy|':>11}{'max |dx|':>11}{'loss':>16}{'F.gelu loss':>16}  gradcheck")
     for name, fn in IMPLEMENTATIONS.items():
         for approximate in APPROXIMATIONS:
-            ok = gradcheck(fn, approximate)
+            ok = gradcheck(fn, approximate, args.device)
             for dtype in (torch.float32, torch.float64):
                 r = {"impl": name, "approximate": approximate, "dtype": str(dtype).removeprefix("torch."),
-                     **max_errors(fn, approximate, dtype), "gradcheck_float64": ok}
+                     **max_errors(fn, approximate, dtype, args.device), "gradcheck_float64": ok, "device": args.device}
                 rows.append(r)
                 print(f"{name:<5}{approximate:<7}{r['dtype']:<9}{r['forward_max_abs_err']:>11.2e}"
                       f"{r['grad_max_abs_err']:>11.2e}{r['loss']:>16.6f}{r['loss_ref']:>16.6f}  {'passed' if ok else 'FAILED'}")
@@ -85,12 +85,15 @@ def time_interleaved(fns: dict, x: torch.Tensor, repeats: int, warmup: int = 3) 
     each repetition, so a noisy neighbour on the machine slows all of them alike; the upstream gradient is
     allocated once, outside the clock."""
     grad = torch.ones_like(x)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)  # CUDA kernels run asynchronously
     times = {name: [] for name in fns}
     for i in range(warmup + repeats):
         for name, fn in fns.items():
             xi = x.detach().requires_grad_()
+            sync()
             start = time.perf_counter()
             fn(xi).backward(grad)
+            sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -98,9 +101,9 @@ def time_interleaved(fns: dict, x: torch.Tensor, repeats: int, warmup: int = 3) 
 
 def bench(args) -> int:
     load_cpp()
-    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(args.device)
     rows = []
-    print(f"forward+backward of {args.numel:,} float32 elements, median of {args.repeats} interleaved repetitions "
+    print(f"forward+backward of {args.numel:,} float32 elements on {args.device}, median of {args.repeats} interleaved repetitions "
           f"after warm-up, {torch.get_num_threads()} threads")
     print(f"{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}")
     for approximate in APPROXIMATIONS:
@@ -111,7 +114,7 @@ def bench(args) -> int:
             ratio = sec / seconds["F.gelu"]
             rows.append({"approximate": approximate, "impl": name, "ms": 1e3 * sec, "ratio": ratio})
             print(f"{approximate:<7}{name:<13}{1e3 * sec:>9.2f}{ratio:>10.2f}x")
-    write_json_atomic(f"{args.out}/bench.json", {"numel": args.numel, "repeats": args.repeats, "rows": rows,
+    write_json_atomic(f"{args.out}/bench.json", {"numel": args.numel, "repeats": args.repeats, "rows": rows, "device": args.device,
                                                  "env": environment()})
     print(f"wrote {args.out}/bench.json")
     return 0
@@ -123,7 +126,10 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="bench: elements of the test tensor")
     parser.add_argument("--repeats", type=int, default=21, help="bench: timed repetitions")
     parser.add_argument("--out", default="runs/gelu", help="folder for the JSON record")
+    parser.add_argument("--device", default="cpu", help="where the tensors live: cpu or cuda (the C++ op's CUDA path)")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"error: --device {args.device}: no CUDA GPU is visible here; use --device cpu")
     try:
         sys.exit(check(args) if args.command == "check" else bench(args))
     except GeluBuildError as e:

@@ -1,0 +1,49 @@
+"""make lab and make gpu-check on a machine without a GPU: stages run in order, finished ones are skipped,
+--force redoes them, a missing dataset stops the first stage, and the GPU check says why it cannot run."""
+
+import json
+
+from conftest import run_script
+
+
+def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path):
+    empty = tmp_path / "mirror"
+    empty.mkdir()
+    proc = run_script("lab.py", "--runs", tmp_path / "runs", "--data-dir", tmp_path / "data", "--report-dir",
+                      tmp_path / "report", check=False, env={"MNIST_MIRROR": str(empty)})
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[1/" in lines[-2] and "data" in lines[-2] and "FAILED" in lines[-2] and "MNIST_MIRROR" in lines[-2]
+    assert [p.name for p in (tmp_path / "runs" / "lab" / "logs").iterdir()] == ["data.log"]  # nothing else started
+
+
+def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path):
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    args = ["lab.py", "--runs", runs, "--data-dir", mnist_dir, "--report-dir", report, "--stages",
+            "data,gelu-check,gpu-check,report"]
+    first = run_script(*args).stdout
+    check = runs / "gelu" / "check.json"
+    assert "gelu-check       done in" in first and check.exists()
+    assert "gpu-check        skipped: no CUDA GPU" in first
+    text = (report / "REPORT.md").read_text()
+    assert "GPU check skipped by `make lab`" in text and "no CUDA GPU on this machine" in text
+    assert "Largest differences from `torch.nn.functional.gelu`" in text  # the stage's result reached the report
+    written = check.stat().st_mtime_ns
+    second = run_script(*args).stdout
+    assert "data             done earlier" in second and "gelu-check       done earlier" in second
+    assert "report           done in" in second  # the report always reflects the runs on disk
+    assert check.stat().st_mtime_ns == written
+    forced = run_script(*args, "--force").stdout
+    assert "gelu-check       done in" in forced and check.stat().st_mtime_ns > written
+    assert json.loads(check.read_text())["rows"]
+
+
+def test_unknown_stage_is_refused_with_the_list():
+    proc = run_script("lab.py", "--stages", "lenet-swish", check=False)
+    assert proc.returncode == 2 and "unknown lenet-swish" in proc.stderr and "bench-gpt" in proc.stderr
+
+
+def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path):
+    proc = run_script("lab.py", "--runs", tmp_path, "gpu-check", check=False)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert "no CUDA GPU is visible" in proc.stderr and not list(tmp_path.iterdir())
