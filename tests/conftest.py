@@ -1,5 +1,8 @@
 """Shared fixtures: the real MNIST through the project's mirror setting, and running the scripts for real."""
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
@@ -42,6 +45,25 @@ def run_script(*args, timeout=600, check=True, env=None) -> subprocess.Completed
     return proc
 
 
+def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProcess:
+    """A single-process run of a script's main() in the test process: the command line's code path from
+    argument parsing on, without a new interpreter importing torch, Lightning and transformers again (about
+    3.5 s of CPU each time). Multi-process runs, signals and the command line itself use run_script."""
+    module = importlib.import_module(Path(script).stem)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            module.main([str(a) for a in args])
+        except SystemExit as e:  # as the interpreter would: a message goes to stderr with exit status 1
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+    proc = subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{script} {args} exited {code}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
 def read_summary(run_dir: Path) -> dict:
     """A finished run's record.json (both scripts write one, with its `kind`)."""
     return json.loads((Path(run_dir) / "record.json").read_text())
@@ -49,3 +71,17 @@ def read_summary(run_dir: Path) -> dict:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process or DeepSpeed runs; `make test-fast` leaves them out")
+
+
+# Tests that share a module-scoped run stay on one pytest-xdist worker (`--dist loadgroup`), so each shared
+# run is made once; the rest spread over the workers.
+SHARED_RUNS = {"single": "gpt-runs", "single_adamw": "gpt-runs", "two_process": "gpt-runs", "reference": "lenet-reference", "runs": "report-runs"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        groups = sorted({SHARED_RUNS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_RUNS})
+        if item.module.__name__ == "test_gelu":  # one C++ build per worker is enough
+            groups.append("gelu")
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups[0]))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_script
+from conftest import REPO, run_in_process, run_script
 import accounting
 import fabric_gpt as gpt
 import strategies
@@ -46,9 +46,10 @@ def losses(out: Path, name: str) -> list[float]:
     return [loss for _, loss in record(out, name)["losses"]]
 
 
-def run_gpt(out: Path, name: str, *args, base=SMALL, **kwargs):
-    proc = run_script("fabric_gpt.py", *base, "--out-dir", out, "--run-name", name, *args, **kwargs)
-    return proc
+def run_gpt(out: Path, name: str, *args, base=SMALL, check=True):
+    """Multi-process runs as a user starts them; single-process ones in the test process (no start-up)."""
+    runner = run_script if "--devices" in args else run_in_process
+    return runner("fabric_gpt.py", *base, "--out-dir", out, "--run-name", name, *args, check=check)
 
 
 def test_1_6b_preset_parameter_count():
@@ -65,6 +66,14 @@ def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     run_gpt(out, "single", "--micro-batch-size", "4", base=EXACT)
     return out, "single"
+
+
+@pytest.fixture(scope="module")
+def single_adamw(tmp_path_factory):
+    """One process with AdamW and clipping, the reference of the offload runs (DeepSpeed's CPU Adam)."""
+    out = tmp_path_factory.mktemp("single_adamw")
+    run_gpt(out, "one", "--micro-batch-size", "4")
+    return out, "one"
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +117,10 @@ def test_strategy_equals_one_process(single, two_process, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
-def test_offload_equals_one_process(tmp_path, strategy):
+def test_offload_equals_one_process(single_adamw, tmp_path, strategy):
     """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process."""
-    run_gpt(tmp_path, "one", "--micro-batch-size", "4")
     run_gpt(tmp_path, "off", "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2")
-    one, off = losses(tmp_path, "one"), losses(tmp_path, "off")
+    one, off = losses(*single_adamw), losses(tmp_path, "off")
     assert off[0] == pytest.approx(one[0], abs=1e-5)
     assert off == pytest.approx(one, rel=2e-3) and off[-1] < off[0] - 0.5
 
@@ -201,18 +209,18 @@ def test_stop_at_step_3_and_resume_gives_the_uninterrupted_run(two_process, tmp_
 
 
 @pytest.mark.slow
-def test_truncated_shard_is_skipped_by_every_rank(tmp_path):
+def test_truncated_shard_is_skipped_by_every_rank(two_process, tmp_path):
     """One rank's optimizer shard of the newest checkpoint cut in half: both ranks skip it together and
     resume the previous one, ending exactly where the uninterrupted run ends."""
+    whole_out, whole = two_process("deepspeed_stage_2")
     args = ["--strategy", "deepspeed_stage_2", "--devices", "2", *TWO_PROCESS["deepspeed_stage_2"], "--keep-last", "5"]
-    run_gpt(tmp_path, "whole", *args, base=EXACT)
     run_gpt(tmp_path, "cut", *args, "--steps", "4", "--checkpoint-every", "2", base=EXACT)
     shard = next((tmp_path / "cut" / "checkpoints" / "step-00000004" / "state").rglob("zero_pp_rank_1_*optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    resumed = run_gpt(tmp_path, "cut", *args, "--resume", "auto", base=EXACT, timeout=300)
+    resumed = run_gpt(tmp_path, "cut", *args, "--resume", "auto", base=EXACT)
     assert "skipping checkpoint" in resumed.stderr + resumed.stdout
     assert "resumed from" in resumed.stdout and "step-00000002" in resumed.stdout
-    assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)
+    assert losses(tmp_path, "cut") == pytest.approx(losses(whole_out, whole), rel=1e-6)
 
 
 def test_nan_is_caught_every_step_before_any_save(tmp_path):
@@ -231,7 +239,7 @@ def test_nan_is_caught_every_step_before_any_save(tmp_path):
 def test_sigint_saves_and_resumes_exactly(tmp_path):
     args = [*SMALL, "--num-samples", "4000", "--micro-batch-size", "4", "--checkpoint-every", "200",
             "--out-dir", tmp_path]
-    run_script("fabric_gpt.py", *args, "--run-name", "whole", "--steps", "60")
+    run_in_process("fabric_gpt.py", *args, "--run-name", "whole", "--steps", "60")
     proc = subprocess.Popen([sys.executable, "fabric_gpt.py", *map(str, args), "--run-name", "cut"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -244,7 +252,7 @@ def test_sigint_saves_and_resumes_exactly(tmp_path):
     assert "SIGINT received: saved" in output and "--resume auto" in output
     stopped_at = max(int(p.name[5:]) for p in (tmp_path / "cut" / "checkpoints").glob("step-*"))
     assert 20 <= stopped_at < 60
-    run_script("fabric_gpt.py", *args, "--run-name", "cut", "--resume", "auto", "--steps", "60")
+    run_in_process("fabric_gpt.py", *args, "--run-name", "cut", "--resume", "auto", "--steps", "60")
     assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)  # restored + resumed
 
 
@@ -252,7 +260,7 @@ def test_explicit_older_resume_abandons_the_newer_branch(tmp_path):
     run_gpt(tmp_path, "r", "--micro-batch-size", "4", "--checkpoint-every", "1", "--keep-last", "10", "--steps", "5")
     (tmp_path / "r" / "checkpoints" / "step-00000009.partial").mkdir()  # a save that never finished
     older = tmp_path / "r" / "checkpoints" / "step-00000002" / "state"
-    proc = run_script("fabric_gpt.py", *SMALL, "--micro-batch-size", "4", "--checkpoint-every", "1", "--keep-last", "10",
+    proc = run_in_process("fabric_gpt.py", *SMALL, "--micro-batch-size", "4", "--checkpoint-every", "1", "--keep-last", "10",
                       "--steps", "3", "--out-dir", tmp_path, "--resume", older)  # no --run-name: found from the path
     assert "resumed from" in proc.stdout and "abandoned" in proc.stdout
     names = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
@@ -318,7 +326,7 @@ def test_planned_model_states_match_the_bytes_each_rank_holds(two_process):
 
 def test_plan_answers_which_strategy_fits(tmp_path):
     def plan(*args):
-        proc = run_script("fabric_gpt.py", "--model", "1.6b", "--plan", "--device-memory-gb", "24",
+        proc = run_in_process("fabric_gpt.py", "--model", "1.6b", "--plan", "--device-memory-gb", "24",
                           "--precision", "bf16-mixed", "--micro-batch-size", "1", *args)
         return proc.stdout
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from conftest import read_summary, run_script
+from conftest import read_summary, run_in_process, run_script
 import fabric_lenet
 from fabric_lenet import Config, LeNet5, epoch_order, random_shift
 
@@ -36,7 +36,7 @@ def test_random_shift_moves_content():
 
 
 def test_one_epoch_on_real_mnist_reaches_97_percent(mnist_dir, tmp_path):
-    run_script("fabric_lenet.py", "--epochs", "1", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "one")
+    run_in_process("fabric_lenet.py", "--epochs", "1", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "one")
     s = read_summary(tmp_path / "one")
     assert s["test_acc"] >= 0.97, s["test_acc"]
     assert len(s["per_class_acc"]) == 10 and min(s["per_class_acc"]) > 0.9
@@ -47,8 +47,8 @@ def test_one_epoch_on_real_mnist_reaches_97_percent(mnist_dir, tmp_path):
 
 def test_dataloader_path_trains_exactly_like_the_in_memory_path(mnist_dir, tmp_path):
     common = [*QUICK, "--epochs", "1", "--max-steps", "30", "--data-dir", mnist_dir, "--out-dir", tmp_path]
-    run_script("fabric_lenet.py", *common, "--data", "memory", "--run-name", "mem")
-    run_script("fabric_lenet.py", *common, "--data", "loader", "--num-workers", "1", "--run-name", "loader")
+    run_in_process("fabric_lenet.py", *common, "--data", "memory", "--run-name", "mem")
+    run_in_process("fabric_lenet.py", *common, "--data", "loader", "--num-workers", "1", "--run-name", "loader")
     mem, loader = read_summary(tmp_path / "mem"), read_summary(tmp_path / "loader")
     assert mem["test_loss"] == loader["test_loss"] and mem["test_acc"] == loader["test_acc"]
 
@@ -57,7 +57,7 @@ def test_dataloader_path_trains_exactly_like_the_in_memory_path(mnist_dir, tmp_p
 def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
     common = [*QUICK, "--epochs", "1", "--max-steps", "40", "--batch-size", "64", "--data-dir", mnist_dir,
               "--out-dir", tmp_path]
-    run_script("fabric_lenet.py", *common, "--run-name", "single")
+    run_in_process("fabric_lenet.py", *common, "--run-name", "single")
     run_script("fabric_lenet.py", *common, "--devices", "2", "--strategy", "ddp", "--run-name", "ddp")
     single, ddp = read_summary(tmp_path / "single"), read_summary(tmp_path / "ddp")
     assert ddp["world_size"] == 2 and single["world_size"] == 1
@@ -67,7 +67,7 @@ def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
 
 
 def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
-    run_script("fabric_lenet.py", "--activation", "gelu_cpp", "--epochs", "1", "--train-samples", "12000",
+    run_in_process("fabric_lenet.py", "--activation", "gelu_cpp", "--epochs", "1", "--train-samples", "12000",
                "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "gelu")
     s = read_summary(tmp_path / "gelu")
     last = s["history"][-1]

@@ -8,7 +8,7 @@ import shutil
 import matplotlib.image
 import pytest
 
-from conftest import run_script
+from conftest import run_in_process, run_script
 
 import report
 
@@ -16,7 +16,7 @@ import report
 @pytest.fixture(scope="module")
 def runs(mnist_dir, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    run_script("fabric_lenet.py", "--epochs", "1", "--train-samples", "12000", "--data-dir", mnist_dir,
+    run_in_process("fabric_lenet.py", "--epochs", "1", "--train-samples", "12000", "--data-dir", mnist_dir,
                "--out-dir", runs, "--run-name", "lenet-short")
     run_script("-m", "gelu_ext", "check", "--out", runs / "gelu")
     run_script("bench.py", "--out-dir", runs, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",

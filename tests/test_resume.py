@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_summary, run_script
+from conftest import REPO, read_summary, run_in_process, run_script
 
 # 2 epochs of 235 steps; a checkpoint every 40 steps; default precision (bf16 autocast) and augmentation.
 ARGS = ["--epochs", "2", "--train-samples", "30000", "--checkpoint-every", "40", "--keep-last", "20",
@@ -48,7 +48,7 @@ def assert_same_run(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(mnist_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    run_script("fabric_lenet.py", *ARGS, "--data-dir", mnist_dir, "--out-dir", out, "--run-name", "ref")
+    run_in_process("fabric_lenet.py", *ARGS, "--data-dir", mnist_dir, "--out-dir", out, "--run-name", "ref")
     return out / "ref"
 
 
@@ -65,22 +65,22 @@ def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
     else:
         assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "cut" / "record.json").exists(), "the run must have been cut before its end"
-    resumed = run_script("fabric_lenet.py", *args, "--resume", "auto")
+    resumed = run_in_process("fabric_lenet.py", *args, "--resume", "auto")
     assert "resumed from" in resumed.stdout
     assert_same_run(reference, tmp_path / "cut")
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_previous(reference, mnist_dir, tmp_path):
     args = [*ARGS, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "bad", "--max-steps", "120"]
-    run_script("fabric_lenet.py", *args)
+    run_in_process("fabric_lenet.py", *args)
     ckpts = sorted((tmp_path / "bad" / "checkpoints").glob("step-*"))
     newest = ckpts[-1] / "state"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, as by a full disk
     (tmp_path / "bad" / "checkpoints" / "step-00000999.partial").mkdir()  # a save that never finished
-    explicit = run_script("fabric_lenet.py", *args, "--resume", ckpts[-1], check=False)
+    explicit = run_in_process("fabric_lenet.py", *args, "--resume", ckpts[-1], check=False)
     assert explicit.returncode == 1
     assert f"checkpoint {ckpts[-1]} cannot be loaded" in explicit.stderr.strip().splitlines()[-1]
-    resumed = run_script("fabric_lenet.py", *args[:-2], "--resume", "auto")
+    resumed = run_in_process("fabric_lenet.py", *args[:-2], "--resume", "auto")
     assert f"skipping checkpoint {ckpts[-1]}" in resumed.stderr + resumed.stdout
     assert f"resumed from {ckpts[-2]}" in resumed.stdout
     assert_same_run(reference, tmp_path / "bad")
@@ -89,8 +89,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(reference, mnist_dir, 
 def test_resume_with_other_settings_is_refused(mnist_dir, tmp_path):
     args = ["--epochs", "1", "--max-steps", "5", "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path,
             "--run-name", "r"]
-    run_script("fabric_lenet.py", *args)
-    proc = run_script("fabric_lenet.py", *args, "--resume", "auto", "--activation", "gelu_py", "--batch-size", "64",
+    run_in_process("fabric_lenet.py", *args)
+    proc = run_in_process("fabric_lenet.py", *args, "--resume", "auto", "--activation", "gelu_py", "--batch-size", "64",
                       check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "cannot resume run r" in last
@@ -98,12 +98,12 @@ def test_resume_with_other_settings_is_refused(mnist_dir, tmp_path):
 
 
 def test_resume_without_checkpoint_is_one_clear_error(tmp_path):
-    proc = run_script("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path, check=False)
+    proc = run_in_process("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path, check=False)
     assert proc.returncode == 1 and "no lenet run with a checkpoint" in proc.stderr
 
 
 def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
-    proc = run_script("fabric_lenet.py", "--optimizer", "sgd", "--lr", "1e6", "--epochs", "1", "--checkpoint-every", "1",
+    proc = run_in_process("fabric_lenet.py", "--optimizer", "sgd", "--lr", "1e6", "--epochs", "1", "--checkpoint-every", "1",
                       "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "nan", check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "loss became nan at step" in last and "learning rate" in last
@@ -133,8 +133,8 @@ def test_resumed_on_another_process_count(mnist_dir, tmp_path):
     process continues on two and ends where the uninterrupted single-process run ends (float tolerance;
     no augmentation, whose per-rank draws depend on the world size)."""
     args = [*ARGS, "--no-augment", "--precision", "32-true", "--data-dir", mnist_dir, "--out-dir", tmp_path]
-    run_script("fabric_lenet.py", *args, "--run-name", "whole")
-    run_script("fabric_lenet.py", *args, "--run-name", "moved", "--max-steps", "120")
+    run_in_process("fabric_lenet.py", *args, "--run-name", "whole")
+    run_in_process("fabric_lenet.py", *args, "--run-name", "moved", "--max-steps", "120")
     proc = run_script("fabric_lenet.py", *args, "--run-name", "moved", "--resume", "auto", "--devices", "2",
                       "--strategy", "ddp")
     assert "resumed from" in proc.stdout
