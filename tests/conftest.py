@@ -72,16 +72,3 @@ def read_summary(run_dir: Path) -> dict:
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process or DeepSpeed runs; `make test-fast` leaves them out")
 
-
-# Tests that share a module-scoped run stay on one pytest-xdist worker (`--dist loadgroup`), so each shared
-# run is made once; the rest spread over the workers.
-SHARED_RUNS = {"single": "gpt-runs", "single_adamw": "gpt-runs", "two_process": "gpt-runs", "reference": "lenet-reference", "runs": "report-runs"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        groups = sorted({SHARED_RUNS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_RUNS})
-        if item.module.__name__ == "test_gelu":  # one C++ build per worker is enough
-            groups.append("gelu")
-        if groups:
-            item.add_marker(pytest.mark.xdist_group(groups[0]))
