@@ -156,3 +156,31 @@ def test_download_from_a_url_mirror(tmp_path, mnist_dir):
         (mirror / (name + ".gz")).write_bytes(gzip.compress((mnist_dir / name).read_bytes(), compresslevel=1))
     dl.download(tmp_path / "root", mirror=mirror.as_uri() + "/", quiet=True)
     assert all(hashlib.sha256((tmp_path / "root" / n).read_bytes()).hexdigest() == h for n, h in dl.SHA256.items())
+
+
+def test_truncated_http_body_is_one_clear_error_and_leaves_nothing(tmp_path):
+    """A real HTTP server on 127.0.0.1 that promises more bytes than it sends (a dropped connection):
+    http.client raises IncompleteRead, which is not an OSError; it must end as the downloader's message."""
+    import http.server
+    import threading
+
+    class Truncating(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(gzip.compress(b"\0" * 1000)[:50])  # then the connection closes
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Truncating)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(MNISTError) as err:
+            dl.download(tmp_path / "root", mirror=f"http://127.0.0.1:{server.server_port}/", quiet=True)
+    finally:
+        server.shutdown()
+    assert "IncompleteRead" in str(err.value) or "incomplete" in str(err.value).lower(), err.value
+    assert "MNIST_MIRROR" in str(err.value)
+    assert not any((tmp_path / "root").iterdir())
