@@ -95,9 +95,13 @@ class LeNet5(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         act = lambda: make_activation(cfg)  # noqa: E731 - a fresh module per use keeps the graph readable
+        # ReLU is monotone, so max-pooling before it gives the same values and gradients with the activation
+        # on a quarter of the elements (a tenth of the step on CPU); GELU is not, so it keeps conv-act-pool.
+        # The parameters keep their names either way (features.0 and features.3).
+        pool_act = (lambda: [nn.MaxPool2d(2), act()]) if cfg.activation == "relu" else (lambda: [act(), nn.MaxPool2d(2)])
         self.features = nn.Sequential(
-            nn.Conv2d(1, 6, 5, padding=2), act(), nn.MaxPool2d(2),   # 1x28x28 -> 6x28x28 -> 6x14x14
-            nn.Conv2d(6, 16, 5), act(), nn.MaxPool2d(2),             # -> 16x10x10 -> 16x5x5
+            nn.Conv2d(1, 6, 5, padding=2), *pool_act(),   # 1x28x28 -> 6x28x28 -> 6x14x14
+            nn.Conv2d(6, 16, 5), *pool_act(),             # -> 16x10x10 -> 16x5x5
         )
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), nn.Linear(120, 84), act(), nn.Linear(84, 10),

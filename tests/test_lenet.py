@@ -17,6 +17,22 @@ def test_lenet_shapes_and_parameter_count():
     assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
 
 
+def test_relu_pooled_first_is_the_same_function_and_gradient():
+    """Pool-then-ReLU (the default's order, for speed) against LeNet-5's conv-ReLU-pool, same weights."""
+    model = LeNet5(Config())
+    reference = torch.nn.Sequential(model.features[0], torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                    model.features[3], torch.nn.ReLU(), torch.nn.MaxPool2d(2), model.classifier)
+    x = torch.randn(16, 1, 28, 28)
+    grads = []
+    for net in (model, reference):
+        net.zero_grad()
+        out = net(x)
+        out.square().sum().backward()
+        grads.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
+
+
 def test_epoch_order_matches_distributed_sampler():
     from torch.utils.data import DistributedSampler
 
