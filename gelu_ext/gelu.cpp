@@ -67,14 +67,16 @@ inline Vectorized<T> backward_vec(const Vectorized<T>& g, const Vectorized<T>& x
   return g * (cdf + x * pdf);
 }
 
-// Apply `op` to n elements in SIMD-register steps, the tail with a partial load/store.
+// Apply `op` to n elements in SIMD-register steps, the tail with a partial load/store. The constants are
+// local to each task: the kernel's stores (through a float*) may not alias them, so they stay in registers.
 template <typename T, typename Op>
 void vector_loop(int64_t n, Op op) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    const Consts<T> c;
     constexpr int64_t width = Vectorized<T>::size();
     int64_t i = begin;
-    for (; i + width <= end; i += width) op(i, width);
-    if (i < end) op(i, end - i);
+    for (; i + width <= end; i += width) op(i, width, c);
+    if (i < end) op(i, end - i, c);
   });
 }
 
@@ -97,8 +99,7 @@ at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_forward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    const Consts<scalar_t> c;
-    vector_loop<scalar_t>(x.numel(), [&](int64_t i, int64_t count) {
+    vector_loop<scalar_t>(x.numel(), [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
       forward_vec(Vectorized<scalar_t>::loadu(xp + i, count), tanh_approx, c).store(yp + i, count);
     });
   });
@@ -122,8 +123,7 @@ at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, st
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
-    const Consts<scalar_t> c;
-    vector_loop<scalar_t>(x.numel(), [&](int64_t i, int64_t count) {
+    vector_loop<scalar_t>(x.numel(), [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
       auto xv = Vectorized<scalar_t>::loadu(xp + i, count);
       auto gv = Vectorized<scalar_t>::loadu(gp + i, count);
       backward_vec(gv, xv, tanh_approx, c).store(dp + i, count);

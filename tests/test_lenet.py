@@ -43,6 +43,15 @@ def test_epoch_order_matches_distributed_sampler():
         assert list(sampler) == epoch_order(100, 3, cfg, rank, 2).tolist()
 
 
+def test_random_shift_is_a_crop_of_the_padded_image():
+    x = torch.randn(64, 1, 28, 28)
+    shifted = random_shift(x, torch.Generator().manual_seed(5))
+    oy, ox = torch.randint(0, 5, (2, 64), generator=torch.Generator().manual_seed(5))  # the same draws
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2), value=float(x.min()))
+    for i in range(64):
+        assert torch.equal(shifted[i], padded[i, :, oy[i]:oy[i] + 28, ox[i]:ox[i] + 28])
+
+
 def test_random_shift_moves_content():
     x = torch.zeros(4, 1, 28, 28)
     x[:, :, 10:18, 10:18] = 1
@@ -83,7 +92,7 @@ def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
 
 
 def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
-    run_in_process("fabric_lenet.py", "--activation", "gelu_cpp", "--epochs", "1", "--train-samples", "12000",
+    run_in_process("fabric_lenet.py", "--activation", "gelu_cpp", "--epochs", "1", "--train-samples", "12000", "--batch-size", "128",
                "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "gelu")
     s = read_summary(tmp_path / "gelu")
     last = s["history"][-1]
@@ -125,5 +134,5 @@ def test_help_explains_every_flag(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for field in fabric_lenet.dataclasses.fields(Config):
         assert "--" + field.name.replace("_", "-") in text
-    assert "global batch: split evenly across all processes (default: 128)" in text
+    assert "global batch: split evenly across all processes (default: 512)" in text
     assert "one of: relu, gelu_torch, gelu_py, gelu_cpp" in text

@@ -13,8 +13,8 @@ import torch
 
 from conftest import REPO, read_summary, run_in_process, run_script
 
-# 2 epochs of 235 steps; a checkpoint every 40 steps; default precision (bf16 autocast) and augmentation.
-ARGS = ["--epochs", "2", "--train-samples", "30000", "--checkpoint-every", "40", "--keep-last", "20",
+# 2 epochs of 235 steps (batch 128); a checkpoint every 40 steps; default precision (bf16 autocast) and augmentation.
+ARGS = ["--epochs", "2", "--train-samples", "30000", "--batch-size", "128", "--checkpoint-every", "40", "--keep-last", "20",
         "--no-tb-images", "--accelerator", "cpu"]
 
 
@@ -114,7 +114,7 @@ def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
 
 @pytest.mark.slow
 def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
-    args = ["--epochs", "1", "--train-samples", "20000", "--checkpoint-every", "30", "--keep-last", "20",
+    args = ["--epochs", "1", "--train-samples", "20000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
             "--no-tb-images", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir,
             "--out-dir", tmp_path]
     run_script("fabric_lenet.py", *args, "--run-name", "whole")
