@@ -158,6 +158,7 @@ class NvmlSampler(threading.Thread):
         self.nvml, self.path, self.every_s = pynvml, path, every_s
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self.done, self.t0 = threading.Event(), time.time()
+        self.label = ""  # the check running now, written beside each sample
 
     def run(self) -> None:
         with open(self.path, "w") as f:
@@ -168,8 +169,6 @@ class NvmlSampler(threading.Thread):
                     f.write(f"{time.time() - self.t0:.2f},{i},{util.gpu},{mem.used / 2**30:.3f},{mem.total / 2**30:.3f},"
                             f"{self.label}\n")
                 f.flush()
-
-    label = ""
 
     def stop(self) -> None:
         self.done.set()
