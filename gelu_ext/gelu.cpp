@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -67,16 +68,28 @@ inline Vectorized<T> backward_vec(const Vectorized<T>& g, const Vectorized<T>& x
   return g * (cdf + x * pdf);
 }
 
-// Apply `op` to n elements in SIMD-register steps, the tail with a partial load/store. The constants are
-// local to each task: the kernel's stores (through a float*) may not alias them, so they stay in registers.
+// out[i] = op(i) over n elements in SIMD-register steps (op loads its inputs at i and computes), the tail with
+// a partial load/store. Four registers are loaded and computed before any is stored: to the compiler a store
+// may alias the inputs, so storing each result at once would keep it from overlapping the next register's
+// long erf/tanh chain (ATen's vectorized loops load first for the same reason; one register at a time ran
+// 1.5x slower). The constants are local to each task, for the same aliasing reason.
 template <typename T, typename Op>
-void vector_loop(int64_t n, Op op) {
+void vector_loop(int64_t n, T* out, Op op) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     const Consts<T> c;
-    constexpr int64_t width = Vectorized<T>::size();
+    constexpr int64_t W = Vectorized<T>::size();
     int64_t i = begin;
-    for (; i + width <= end; i += width) op(i, width, c);
-    if (i < end) op(i, end - i, c);
+    for (; i + 4 * W <= end; i += 4 * W) {
+      const auto r0 = op(i, W, c), r1 = op(i + W, W, c), r2 = op(i + 2 * W, W, c), r3 = op(i + 3 * W, W, c);
+      r0.store(out + i);
+      r1.store(out + i + W);
+      r2.store(out + i + 2 * W);
+      r3.store(out + i + 3 * W);
+    }
+    for (; i < end; i += W) {
+      const int64_t count = std::min(W, end - i);
+      op(i, count, c).store(out + i, count);
+    }
   });
 }
 
@@ -99,8 +112,8 @@ at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_forward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    vector_loop<scalar_t>(x.numel(), [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
-      forward_vec(Vectorized<scalar_t>::loadu(xp + i, count), tanh_approx, c).store(yp + i, count);
+    vector_loop<scalar_t>(x.numel(), yp, [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
+      return forward_vec(Vectorized<scalar_t>::loadu(xp + i, count), tanh_approx, c);
     });
   });
   return y.to(input.scalar_type());
@@ -123,10 +136,9 @@ at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, st
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
-    vector_loop<scalar_t>(x.numel(), [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
-      auto xv = Vectorized<scalar_t>::loadu(xp + i, count);
-      auto gv = Vectorized<scalar_t>::loadu(gp + i, count);
-      backward_vec(gv, xv, tanh_approx, c).store(dp + i, count);
+    vector_loop<scalar_t>(x.numel(), dp, [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
+      return backward_vec(Vectorized<scalar_t>::loadu(gp + i, count), Vectorized<scalar_t>::loadu(xp + i, count),
+                          tanh_approx, c);
     });
   });
   return dx.to(input.scalar_type());
