@@ -6,7 +6,7 @@
 //           dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 //
 // The CPU kernel is a loop over the elements, split across threads by at::parallel_for and written
-// with at::vec::Vectorized so each iteration handles a SIMD register of values; gelu_ext/__init__.py
+// with at::vec::Vectorized so each iteration handles four SIMD registers of values; gelu_ext/__init__.py
 // builds it with the instruction set (AVX2/AVX-512) that PyTorch's own kernels use on this CPU, which
 // is what lets Vectorized::erf run as SIMD code. float32/float64 run natively; float16/bfloat16 are
 // widened to float32 and the result narrowed back, as PyTorch does for reduced precision.
