@@ -8,12 +8,15 @@
 // The CPU kernel is a loop over the elements, split across threads by at::parallel_for and written
 // with at::vec::Vectorized so each iteration handles four SIMD registers of values; gelu_ext/__init__.py
 // builds it with the instruction set (AVX2/AVX-512) that PyTorch's own kernels use on this CPU, which
-// is what lets Vectorized::erf run as SIMD code. float32/float64 run natively; float16/bfloat16 are
-// widened to float32 and the result narrowed back, as PyTorch does for reduced precision.
+// is what lets Vectorized::erf run as SIMD code. float32/float64 run natively; each register of
+// float16/bfloat16 values is widened to two float32 registers, computed and narrowed back in the same
+// pass, as PyTorch does for reduced precision.
 // Tensors on other devices (CUDA) run a composition of ATen ops: correct, not a hand-written kernel.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -76,7 +79,7 @@ inline Vectorized<T> backward_vec(const Vectorized<T>& g, const Vectorized<T>& x
 template <typename T, typename Op>
 void vector_loop(int64_t n, T* out, Op op) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    const Consts<T> c;
+    const Consts<at::opmath_type<T>> c;  // float for float16/bfloat16
     constexpr int64_t W = Vectorized<T>::size();
     int64_t i = begin;
     for (; i + 4 * W <= end; i += 4 * W) {
@@ -93,6 +96,28 @@ void vector_loop(int64_t n, T* out, Op op) {
   });
 }
 
+// Reduced precision (float16/bfloat16): `f` computes on the two float32 halves of each register.
+template <typename T, typename F>
+inline Vectorized<T> in_float(F f, const Vectorized<T>& a) {
+  if constexpr (std::is_same_v<T, at::opmath_type<T>>) {
+    return f(a);
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<T>(a);
+    return at::vec::convert_from_float<T>(f(lo), f(hi));
+  }
+}
+
+template <typename T, typename F>
+inline Vectorized<T> in_float(F f, const Vectorized<T>& a, const Vectorized<T>& b) {
+  if constexpr (std::is_same_v<T, at::opmath_type<T>>) {
+    return f(a, b);
+  } else {
+    auto [a0, a1] = at::vec::convert_to_float<T>(a);
+    auto [b0, b1] = at::vec::convert_to_float<T>(b);
+    return at::vec::convert_from_float<T>(f(a0, b0), f(a1, b1));
+  }
+}
+
 at::Tensor widen(const at::Tensor& t) {
   auto st = t.scalar_type();
   return (st == at::kHalf || st == at::kBFloat16) ? t.to(at::kFloat) : t;
@@ -107,16 +132,18 @@ at::Tensor dense(const at::Tensor& t) {
 at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
   check_input(input, "input");
   const bool tanh_approx = is_tanh(approximate);
-  auto x = dense(widen(input));
+  auto x = dense(input);
   auto y = at::empty_like(x);  // the same strides as x, so y[i] and x[i] share a storage offset
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_forward", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.mutable_data_ptr<scalar_t>();
-    vector_loop<scalar_t>(x.numel(), yp, [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
-      return forward_vec(Vectorized<scalar_t>::loadu(xp + i, count), tanh_approx, c);
+    vector_loop<scalar_t>(x.numel(), yp, [=](int64_t i, int64_t count, const Consts<opmath_t>& c) {
+      return in_float([&](const Vectorized<opmath_t>& v) { return forward_vec(v, tanh_approx, c); },
+                      Vectorized<scalar_t>::loadu(xp + i, count));
     });
   });
-  return y.to(input.scalar_type());
+  return y;
 }
 
 at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
@@ -125,23 +152,25 @@ at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, st
   TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
               " differs from input shape ", input.sizes());
   const bool tanh_approx = is_tanh(approximate);
-  auto x = dense(widen(input));
-  auto g = widen(grad).to(x.scalar_type());
+  auto x = dense(input);
+  auto g = grad.to(x.scalar_type());
   if (g.strides() != x.strides()) {  // walk both storages in the same order
     x = x.contiguous();
     g = g.contiguous();
   }
   auto dx = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_ext_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_backward", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
-    vector_loop<scalar_t>(x.numel(), dp, [=](int64_t i, int64_t count, const Consts<scalar_t>& c) {
-      return backward_vec(Vectorized<scalar_t>::loadu(gp + i, count), Vectorized<scalar_t>::loadu(xp + i, count),
-                          tanh_approx, c);
+    vector_loop<scalar_t>(x.numel(), dp, [=](int64_t i, int64_t count, const Consts<opmath_t>& c) {
+      return in_float([&](const Vectorized<opmath_t>& gv, const Vectorized<opmath_t>& xv) {
+        return backward_vec(gv, xv, tanh_approx, c);
+      }, Vectorized<scalar_t>::loadu(gp + i, count), Vectorized<scalar_t>::loadu(xp + i, count));
     });
   });
-  return dx.to(input.scalar_type());
+  return dx;
 }
 
 // Device-generic fallback (CUDA and others): the same formulas as ATen ops, computed in float32 or wider.
