@@ -4,6 +4,7 @@
 import json
 
 from conftest import run_script
+import lab
 
 
 def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path):
@@ -33,17 +34,18 @@ def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path):
     assert "data             done earlier" in second and "gelu-check       done earlier" in second
     assert "report           done in" in second  # the report always reflects the runs on disk
     assert check.stat().st_mtime_ns == written
-    forced = run_script(*args, "--force").stdout
+    forced = run_script(*args[:-1], "gelu-check", "--force").stdout
     assert "gelu-check       done in" in forced and check.stat().st_mtime_ns > written
     assert json.loads(check.read_text())["rows"]
 
 
-def test_unknown_stage_is_refused_with_the_list():
-    proc = run_script("lab.py", "--stages", "lenet-swish", check=False)
-    assert proc.returncode == 2 and "unknown lenet-swish" in proc.stderr and "bench-gpt" in proc.stderr
+def test_unknown_stage_is_refused_with_the_list(capsys):
+    assert lab.main(["--stages", "lenet-swish"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown lenet-swish" in err and "bench-gpt" in err
 
 
-def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path):
-    proc = run_script("lab.py", "--runs", tmp_path, "gpu-check", check=False)
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
-    assert "no CUDA GPU is visible" in proc.stderr and not list(tmp_path.iterdir())
+def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path, capsys):
+    assert lab.main(["--runs", str(tmp_path), "gpu-check"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no CUDA GPU is visible" in err and not list(tmp_path.iterdir())
