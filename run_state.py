@@ -155,22 +155,18 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _fsync_tree(path: Path) -> None:
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush one file, or one directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        _fsync(p)
 
 
 def step_of(path: Path) -> int:
@@ -245,7 +241,7 @@ class Checkpoints:
             _fsync_tree(partial)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
-            _fsync_dir(self.folder)
+            _fsync(self.folder)
             for old in self.complete()[:-self.keep_last] if self.keep_last > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
         fabric.barrier()
