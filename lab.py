@@ -117,7 +117,7 @@ def lab(args) -> int:
         elif result.exists() and not stage.always:
             print(f"{tag} done earlier -> {result} (FORCE=1 recomputes)", flush=True)
             continue
-        command = list(stage.args)
+        command = [a for a in stage.args if not (args.force and a == "--keep")]
         ckpts = runs / stage.resumable_run / "checkpoints"
         if stage.resumable_run and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
             command += ["--resume", "auto"]
@@ -137,13 +137,11 @@ def lab(args) -> int:
 
 
 def forget(stage: Stage, runs: Path, result: Path) -> None:
-    """FORCE: remove a stage's results so that it runs from scratch."""
+    """FORCE: remove a stage's results so that it runs from scratch (a benchmark, run without --keep, starts
+    each of its cases clean; gpu-check always does)."""
     if stage.resumable_run:
         shutil.rmtree(runs / stage.resumable_run, ignore_errors=True)
-    elif stage.name.startswith("bench-gpt") or stage.name == "bench-lenet" or stage.name == GPU_CHECK:
-        shutil.rmtree(result.parent, ignore_errors=True)
-    else:
-        result.unlink(missing_ok=True)
+    result.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- gpu-check
