@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from run_state import read_record, write_json_atomic
+from run_state import cpu_name, cpu_units, read_record, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
 
@@ -113,14 +113,8 @@ def over_seeds(runs: list) -> dict:
 
 
 def cpu_label() -> str:
-    """The CPU a figure comes from, with the matrix units that decide LeNet-5's speed (bf16 AMX, AVX-512)."""
-    from run_state import cpu_name
-
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), []) if Path("/proc/cpuinfo").exists() else []
-    units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
-                                     ("avx2", "AVX2")) if flag in flags]
-    return f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(units) or 'no AVX2'})"
+    """The CPU a figure comes from, with the units that decide LeNet-5's speed."""
+    return f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
 
 
 # ----------------------------------------------------------------------------- GPT

@@ -129,14 +129,26 @@ def environment() -> dict:
     return env
 
 
-def cpu_name() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first value of a /proc/cpuinfo field (Linux), else None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
+
+
+def cpu_units() -> list[str]:
+    """The CPU's matrix and vector units that decide small-model speed (bf16 AMX, AVX-512, AVX2)."""
+    flags = (_cpuinfo("flags") or "").split()
+    return [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+                                    ("avx2", "AVX2")) if flag in flags]
 
 
 class Progress:
