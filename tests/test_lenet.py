@@ -33,6 +33,26 @@ def test_relu_pooled_first_is_the_same_function_and_gradient():
     assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_zero_padded_channels_are_the_same_model(channels_last):
+    """conv1's 6 channels computed as 8 (the default, for the CPU's max-pool kernel): the same parameters
+    and state_dict, and the same outputs and parameter gradients as the plain LeNet-5, in both layouts."""
+    plain, padded = LeNet5(Config(pad_channels=0)), LeNet5(Config())
+    padded.load_state_dict(plain.state_dict())  # same names and shapes, or this raises
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(32, 1, 28, 28).contiguous(memory_format=fmt)
+    results = []
+    for net in (plain, padded):
+        net = net.to(memory_format=fmt)
+        out = net(x)
+        out.square().sum().backward()
+        results.append((out.detach(), [p.grad for p in net.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert padded.features[0](x).shape[1] == 8 and plain.features[0](x).shape[1] == 6
+
+
 def test_epoch_order_matches_distributed_sampler():
     from torch.utils.data import DistributedSampler
 
@@ -107,6 +127,7 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--accelerator", "gpu"], "no CUDA GPU"),
     (["--num-workers", "2"], "--data loader only"),
     (["--epochs", "0"], "at least 1"),
+    (["--pad-channels", "4"], "0 (off) or at least 6"),
 ])
 def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, args, words):
     monkeypatch.setattr(fabric_lenet, "run", lambda cfg: pytest.fail("training started"))
