@@ -48,15 +48,18 @@ class Config:
     pad_channels: int = opt(8, "compute conv1's 6 channels as this many, the extra ones held at zero (same parameters "
                             "and results): channels-last max-pooling vectorizes across channels and ran 3x slower on 6; 0: off")
     # --- optimization
-    # 12 epochs of 512 (lr 8e-3): as accurate as 8 of 128 or 256, at 1.5x the samples/s on 2 CPU cores,
-    # where a step's fixed cost (about 3 ms of operator dispatch) dominates small batches
-    epochs: int = opt(12, "passes over the training set")
+    # Batch 512 (lr 8e-3): as accurate as 128 or 256, at 1.2-1.5x the samples/s on 2 CPU cores, where a step's
+    # fixed cost dominates small batches. 16 epochs with label smoothing: 99.42% mean over 5 seeds, against
+    # 99.35% for 12 or 16 epochs without it (make bench-lenet)
+    epochs: int = opt(16, "passes over the training set")
     batch_size: int = opt(512, "global batch: split evenly across all processes")
     lr: float = opt(8e-3, "peak learning rate of the schedule")
     optimizer: str = opt("adamw", "adamw, or sgd (momentum 0.9, nesterov)", ("adamw", "sgd"))
     schedule: str = opt("onecycle", "onecycle (warm-up then cosine decay), cosine, constant",
                         ("onecycle", "cosine", "constant"))
     weight_decay: float = opt(5e-4, "decoupled weight decay (AdamW) or L2 (SGD)")
+    label_smoothing: float = opt(0.1, "share of each target spread over the other classes (+0.03 to 0.07 points "
+                                 "of test accuracy over 5 seeds, and 99.0% sooner)")
     seed: int = opt(0, "seed of the weights, the data order and the augmentation")
     # --- model and data
     activation: str = opt("relu", "relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/)", ACTIVATIONS)
@@ -244,7 +247,7 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
                 g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + progress.global_step * world + fabric.global_rank)
                 xb = random_shift(xb, g)
             data_wait += time.perf_counter() - t_fetch
-            loss = F.cross_entropy(model(xb), yb)
+            loss = F.cross_entropy(model(xb), yb, label_smoothing=cfg.label_smoothing)
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -385,6 +388,9 @@ def validate(cfg: Config) -> None:
     for name in ("num_workers", "train_samples", "max_steps", "eval_every", "checkpoint_every"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    if not 0 <= cfg.label_smoothing < 1:
+        raise ConfigError(f"--label-smoothing is a share of the target, from 0 up to (not including) 1, "
+                          f"got {cfg.label_smoothing}")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
     world = cfg.devices * cfg.num_nodes

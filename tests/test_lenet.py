@@ -128,6 +128,7 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--num-workers", "2"], "--data loader only"),
     (["--epochs", "0"], "at least 1"),
     (["--pad-channels", "4"], "0 (off) or at least 6"),
+    (["--label-smoothing", "1"], "up to (not including) 1"),
 ])
 def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, args, words):
     monkeypatch.setattr(fabric_lenet, "run", lambda cfg: pytest.fail("training started"))
