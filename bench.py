@@ -96,8 +96,9 @@ def bench_lenet(args) -> None:
     print(f"wrote {out}/table.md and bench.json")
 
 
-# The shortest recipe to 99.0% found: no augmentation (it slows early progress), 3 epochs of one-cycle at batch 256,
-# test accuracy measured 6 times an epoch (--eval-every 39 steps) to see when 99.0% is reached
+# The shortest recipe to 99.0% found: no augmentation (it slows early progress), 3 epochs of one-cycle at batch 256
+# (512 missed 99.0% in 4 of 5 seeds), the default label smoothing (99.0% 0.5-1 s sooner), test accuracy measured
+# 6 times an epoch (--eval-every 39 steps) to see when 99.0% is reached
 SHORT_RECIPE = ["--epochs", "3", "--no-augment", "--batch-size", "256", "--lr", "8e-3", "--eval-every", "39"]
 
 
