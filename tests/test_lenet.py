@@ -53,6 +53,28 @@ def test_zero_padded_channels_are_the_same_model(channels_last):
     assert padded.features[0](x).shape[1] == 8 and plain.features[0](x).shape[1] == 6
 
 
+def test_tensorboard_images_show_the_real_channels_only(tmp_path):
+    """log_images (run each epoch when --tb-images is on): the feature maps of conv1 show its 6 channels, not the
+    8 it is computed in; also the confusion matrix, misclassified digits and weight histograms are written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from fabric_lenet import log_images
+
+    model = LeNet5(Config())
+    x, y = torch.randn(40, 1, 28, 28), torch.randint(0, 10, (40,))
+    writer = SummaryWriter(tmp_path)
+    log_images(writer, model, {"confusion": torch.eye(10).tolist()}, (x, y), step=1)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"images": 0}).Reload()
+    assert {"test/confusion_matrix", "test/misclassified", "features/conv1", "features/conv2"} <= set(events.Tags()["images"])
+    assert "weights/features.0.weight" in events.Tags()["histograms"]
+    conv1, conv2 = events.Images("features/conv1")[0], events.Images("features/conv2")[0]
+    # 4 images x 6 channels of 14x14 in rows of 6 (a 1-pixel border): 6 * 15 + 1 wide, 4 * 15 + 1 high
+    assert (conv1.width, conv1.height) == (91, 61)
+    assert (conv2.width, conv2.height) == (16 * 6 + 1, 4 * 6 + 1)  # 4 x 16 channels of 5x5
+
+
 def test_epoch_order_matches_distributed_sampler():
     from torch.utils.data import DistributedSampler
 
