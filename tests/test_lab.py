@@ -3,8 +3,11 @@
 
 import json
 
-from conftest import run_script
+import pytest
+
+from conftest import run_in_process, run_script
 import lab
+from fabric_lenet import Config, steps_per_epoch
 
 
 def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path):
@@ -49,3 +52,20 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path, capsys):
     assert lab.main(["--runs", str(tmp_path), "gpu-check"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no CUDA GPU is visible" in err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
+    """A LeNet-5 stage whose run has a checkpoint but no record (stopped part-way) is continued with
+    --resume auto, not restarted, and ends as the full default run."""
+    runs = tmp_path / "runs"
+    run_in_process("fabric_lenet.py", "--run-name", "lab-lenet-relu", "--out-dir", runs, "--data-dir", mnist_dir,
+                   "--max-steps", "100", "--no-tb-images")
+    (runs / "lab-lenet-relu" / "record.json").unlink()  # as if stopped after its checkpoint at step 100
+    out = run_script("lab.py", "--runs", runs, "--data-dir", mnist_dir, "--report-dir", tmp_path / "report",
+                     "--stages", "lenet-relu").stdout
+    assert "lenet-relu       started (continuing its run)" in out and "lenet-relu       done in" in out
+    assert "continuing at epoch 1, step 100" in (runs / "lab" / "logs" / "lenet-relu.log").read_text()
+    record = json.loads((runs / "lab-lenet-relu" / "record.json").read_text())
+    cfg = Config()
+    assert record["epochs"] == cfg.epochs and record["steps"] == cfg.epochs * steps_per_epoch(60_000, cfg, 1)
