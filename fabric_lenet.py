@@ -99,8 +99,9 @@ def make_activation(cfg: Config) -> nn.Module:
 
 
 class ZeroPaddedConv2d(nn.Conv2d):
-    """A Conv2d whose output (pad_out) or input (pad_in) channels are computed padded with zero channels:
-    the same parameters, outputs and gradients, in a channel count the CPU kernels handle whole vectors of."""
+    """A Conv2d computed with zero weights appended: pad_out output channels that are always zero, and pad_in
+    input channels (the zero ones the previous layer appended) that are read with zero weights. The same
+    parameters, results and gradients, in a channel count the CPU kernels handle whole vectors of."""
 
     def __init__(self, *args, pad_out: int = 0, pad_in: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -424,7 +425,7 @@ def main(argv=None) -> dict:
 
 def keep_freed_memory_in_heap() -> None:
     """glibc hands each freed block over its (adaptive) threshold back to the OS, so each step page-faults
-    its ~30 MB of activations in again; on the 2-core VMs that made steps 1.3-1.6x slower and erratic.
+    its ~30 MB of activations in again; on the 2-core Xeon VM that made steps 1.3-1.6x slower and erratic.
     The largest threshold glibc allows and no trimming keep them in the heap for the next step."""
     if not sys.platform.startswith("linux"):
         return
