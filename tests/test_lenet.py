@@ -37,7 +37,7 @@ def test_relu_pooled_first_is_the_same_function_and_gradient():
 def test_zero_padded_channels_are_the_same_model(channels_last):
     """conv1's 6 channels computed as 8 (the default, for the CPU's max-pool kernel): the same parameters
     and state_dict, and the same outputs and parameter gradients as the plain LeNet-5, in both layouts."""
-    plain, padded = LeNet5(Config(pad_channels=0)), LeNet5(Config())
+    plain, padded = LeNet5(Config(pad_channels=0)), LeNet5(Config())  # padded: built for channels-last
     padded.load_state_dict(plain.state_dict())  # same names and shapes, or this raises
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(32, 1, 28, 28).contiguous(memory_format=fmt)
@@ -51,6 +51,7 @@ def test_zero_padded_channels_are_the_same_model(channels_last):
     for got, want in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert padded.features[0](x).shape[1] == 8 and plain.features[0](x).shape[1] == 6
+    assert LeNet5(Config(channels_last=False)).features[0](x).shape[1] == 6  # no padding in NCHW
 
 
 def test_tensorboard_images_show_the_real_channels_only(tmp_path):
