@@ -85,9 +85,11 @@ class Config:
 
 
 # Settings that may change on resume: they change how the run executes, not what it computes.
-RUNTIME_FIELDS = {"channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data", "num_workers", "data_dir",
-                  "mirror", "out_dir", "run_name", "log_every", "eval_every", "checkpoint_every", "keep_last",
-                  "resume", "tb_images", "max_steps"}
+RUNTIME_FIELDS = {"channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data",
+                  "num_workers", "data_dir", "mirror", "out_dir", "run_name", "log_every", "eval_every",
+                  "checkpoint_every", "keep_last", "resume", "tb_images", "max_steps"}
+# Settings added after runs were saved without them, with the value those runs behaved as (resume compares it).
+ADDED_FIELDS = {"label_smoothing": 0.0}
 
 
 # ----------------------------------------------------------------------------- model
@@ -457,7 +459,7 @@ def run(cfg: Config) -> dict:
     model, optimizer = fabric.setup(model, optimizer)
     progress = Progress(epoch=0, step_in_epoch=0, global_step=0, loss_sum=0.0, loss_count=0, train_time_s=0.0, history=[])
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
-    run = Run(fabric, cfg, "lenet", RUNTIME_FIELDS, state)
+    run = Run(fabric, cfg, "lenet", RUNTIME_FIELDS, state, added_fields=ADDED_FIELDS)
     fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
     run.start()
     if cfg.resume:

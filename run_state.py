@@ -338,12 +338,21 @@ def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
     return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
 
 
-def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str) -> None:
-    """Refuse to continue a checkpoint under settings that change what it means; list every difference."""
-    diffs = {k: (saved.get(k), current.get(k)) for k in current
-             if k not in runtime_fields and k in saved and saved.get(k) != current.get(k)}
+def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str,
+                          added: dict | None = None) -> None:
+    """Refuse to continue a checkpoint under settings that change what it means; list every difference.
+    A setting the checkpoint does not record predates it: `added` gives the value the older code behaved as;
+    a setting without one is a difference too, since what the checkpoint did is unknown."""
+    added, unknown = added or {}, "not recorded (made before the setting existed)"
+    diffs = {}
+    for k, now in current.items():
+        if k in runtime_fields:
+            continue
+        was = saved[k] if k in saved else added.get(k, unknown)
+        if was != now:
+            diffs[k] = (was, now)
     if diffs:
-        listing = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in sorted(diffs.items()))
+        listing = ", ".join(f"{k}: checkpoint {a if a is unknown else repr(a)} vs now {b!r}" for k, (a, b) in sorted(diffs.items()))
         raise ResumeError(f"cannot resume {where}: the checkpoint was made with other settings ({listing}). "
                           "Fix: resume with the checkpoint's settings, or start a new run with another --run-name.")
 
@@ -414,11 +423,11 @@ class Run:
     train() receives this object as its context."""
 
     def __init__(self, fabric, cfg, kind: str, runtime_fields: set[str], state: dict, check_config=None,
-                 per_rank_checkpoints: bool = False):
+                 per_rank_checkpoints: bool = False, added_fields: dict | None = None):
         from lightning.fabric.loggers import TensorBoardLogger
 
         self.fabric, self.cfg, self.kind, self.state = fabric, cfg, kind, state
-        self.runtime_fields = runtime_fields
+        self.runtime_fields, self.added_fields = runtime_fields, added_fields
         self.check_config = check_config or (lambda saved: None)
         # A default name holds the start time: rank 0's is broadcast so all ranks write to one folder.
         cfg.run_name = fabric.broadcast(cfg.run_name or f"{kind}-{default_name(cfg)}-{datetime.now():%Y%m%d-%H%M%S}")
@@ -441,7 +450,7 @@ class Run:
         if cfg.resume:
             def check(saved):
                 self.check_config(saved)
-                check_same_experiment(saved, self.config(), self.runtime_fields, f"run {cfg.run_name}")
+                check_same_experiment(saved, self.config(), self.runtime_fields, f"run {cfg.run_name}", self.added_fields)
 
             loaded = self.ckpts.load(fabric, self.state, cfg.resume, check)
             if loaded is None:

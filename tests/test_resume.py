@@ -97,6 +97,29 @@ def test_resume_with_other_settings_is_refused(mnist_dir, tmp_path):
     assert "activation: checkpoint 'relu' vs now 'gelu_py'" in last and "batch_size" in last
 
 
+def test_checkpoint_from_before_a_setting_existed_is_compared_as_it_ran(mnist_dir, tmp_path):
+    """A checkpoint whose config lacks a setting was made by older code: label smoothing did not exist, so it
+    trained without it (0.0) and continuing under the new default 0.1 is refused; a setting with no known
+    older value is refused as unknown instead of being ignored."""
+    import json
+
+    args = ["--epochs", "1", "--max-steps", "5", "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+            "--run-name", "old"]
+    run_in_process("fabric_lenet.py", *args)
+    config_file = next((tmp_path / "old" / "checkpoints").glob("step-*")) / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["label_smoothing"], config["weight_decay"]
+    config_file.write_text(json.dumps(config))
+    proc = run_in_process("fabric_lenet.py", *args, "--resume", "auto", "--max-steps", "6", check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "label_smoothing: checkpoint 0.0 vs now 0.1" in last
+    assert "weight_decay: checkpoint not recorded (made before the setting existed) vs now 0.0005" in last
+    config["weight_decay"] = 5e-4  # recorded again: only label smoothing is left to its older value
+    config_file.write_text(json.dumps(config))
+    resumed = run_in_process("fabric_lenet.py", *args, "--resume", "auto", "--max-steps", "6", "--label-smoothing", "0")
+    assert "resumed from" in resumed.stdout and read_summary(tmp_path / "old")["steps"] == 6
+
+
 def test_resume_without_checkpoint_is_one_clear_error(tmp_path):
     proc = run_in_process("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path, check=False)
     assert proc.returncode == 1 and "no lenet run with a checkpoint" in proc.stderr
