@@ -56,16 +56,21 @@ def test_zero_padded_channels_are_the_same_model(channels_last):
 
 def test_tensorboard_images_show_the_real_channels_only(tmp_path):
     """log_images (run each epoch when --tb-images is on): the feature maps of conv1 show its 6 channels, not the
-    8 it is computed in; also the confusion matrix, misclassified digits and weight histograms are written."""
+    8 it is computed in; also the confusion matrix, the misclassified digits evaluate() found and weight
+    histograms are written."""
+    from lightning.fabric import Fabric
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from fabric_lenet import log_images
+    from fabric_lenet import evaluate, log_images
 
     model = LeNet5(Config())
     x, y = torch.randn(40, 1, 28, 28), torch.randint(0, 10, (40,))
+    result = evaluate(Fabric(accelerator="cpu", devices=1), model, (x, y), batch=16)
+    with torch.no_grad():
+        assert result["misclassified"] == (model(x).argmax(1) != y).nonzero().flatten().tolist()
     writer = SummaryWriter(tmp_path)
-    log_images(writer, model, {"confusion": torch.eye(10).tolist()}, (x, y), step=1)
+    log_images(writer, model, result, (x, y), step=1)
     writer.close()
     events = EventAccumulator(str(tmp_path), size_guidance={"images": 0}).Reload()
     assert {"test/confusion_matrix", "test/misclassified", "features/conv1", "features/conv2"} <= set(events.Tags()["images"])
