@@ -21,7 +21,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from run_state import RECORD, write_json_atomic
+from run_state import RECORD, Checkpoints, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")  # relu is LeNet-5's default
@@ -118,8 +118,7 @@ def lab(args) -> int:
             print(f"{tag} done earlier -> {result} (FORCE=1 recomputes)", flush=True)
             continue
         command = [a for a in stage.args if not (args.force and a == "--keep")]
-        ckpts = runs / stage.resumable_run / "checkpoints"
-        if stage.resumable_run and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+        if has_checkpoint(runs, stage):
             command += ["--resume", "auto"]
         log = runs / LOGS / f"{stage.name}.log"
         print(f"{tag} started{' (continuing its run)' if '--resume' in command else ''}, log {log}", flush=True)
@@ -134,6 +133,11 @@ def lab(args) -> int:
         print(f"{tag} done in {time.time() - t0:.0f} s -> {result}", flush=True)
     print(f"lab: all stages finished in {time.time() - started:.0f} s; the report is {args.report_dir}/REPORT.md", flush=True)
     return 0
+
+
+def has_checkpoint(runs: Path, stage: Stage) -> bool:
+    """The stage's training run was cut after a complete checkpoint (a `.partial` save cannot be resumed)."""
+    return bool(stage.resumable_run) and bool(Checkpoints(runs / stage.resumable_run / "checkpoints").complete())
 
 
 def forget(stage: Stage, runs: Path, result: Path) -> None:

@@ -42,6 +42,19 @@ def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path):
     assert json.loads(check.read_text())["rows"]
 
 
+def test_only_a_complete_checkpoint_makes_a_stage_continue(tmp_path):
+    """A run killed while writing its first checkpoint leaves only a `.partial` folder: the stage must start
+    over, since --resume auto would find nothing to load."""
+    stage = lab.Stage("lenet-relu", [], "lab-lenet-relu/record.json", resumable_run="lab-lenet-relu")
+    checkpoints = tmp_path / "lab-lenet-relu" / "checkpoints"
+    assert not lab.has_checkpoint(tmp_path, stage)
+    (checkpoints / "step-00000100.partial").mkdir(parents=True)
+    assert not lab.has_checkpoint(tmp_path, stage)
+    (checkpoints / "step-00000050").mkdir()
+    assert lab.has_checkpoint(tmp_path, stage)
+    assert not lab.has_checkpoint(tmp_path, lab.Stage("data", [], "x"))  # not a training stage
+
+
 def test_unknown_stage_is_refused_with_the_list(capsys):
     assert lab.main(["--stages", "lenet-swish"]) == 2
     err = capsys.readouterr().err
