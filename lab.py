@@ -125,7 +125,7 @@ def lab(args) -> int:
         t0 = time.time()
         code = run_logged(command, log)
         if code:
-            stopped = code in (128 + signal.SIGINT, -signal.SIGINT, 130)
+            stopped = code in (128 + signal.SIGINT, -signal.SIGINT)  # exit 130, or killed by SIGINT
             print(f"{tag} {'stopped' if stopped else 'FAILED'} after {time.time() - t0:.0f} s: {last_line(log)}", flush=True)
             print(f"lab: {'interrupted' if stopped else 'stopped'} after {time.time() - started:.0f} s; finished stages "
                   "are kept: run `make lab` again to continue" + ("" if stopped else f" once the cause is fixed (log {log})"))

@@ -71,4 +71,3 @@ def read_summary(run_dir: Path) -> dict:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process or DeepSpeed runs; `make test-fast` leaves them out")
-
