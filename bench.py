@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -103,8 +104,6 @@ SHORT_RECIPE = ["--epochs", "3", "--no-augment", "--batch-size", "256", "--lr", 
 
 
 def over_seeds(runs: list) -> dict:
-    import statistics
-
     accs = [r["test_acc"] for r in runs]
     reached = [r["time_to_99_0_s"] for r in runs]
     return {"acc_mean": statistics.mean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
@@ -172,7 +171,7 @@ def write_table(out: Path, args, rows: list) -> None:
     print(f"wrote {out}/table.md and bench.json")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="runs")
     parser.add_argument("--keep", action="store_true", help="reuse the cases whose runs finished (an interrupted sweep continues)")
@@ -182,7 +181,6 @@ def main() -> None:
     lenet.add_argument("--seeds", type=int, default=5, help="seeds of the default and the short recipe")
     lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags (after --)")
     lenet.set_defaults(func=bench_lenet)
-    lenet.add_argument("--keep", action="store_true", default=argparse.SUPPRESS, help="as above, after the command")
     gpt = sub.add_parser("gpt", help="GPT-2: strategies x precisions on equal data")
     gpt.add_argument("--model", default="tiny")
     gpt.add_argument("--devices", type=int, default=2)
@@ -195,8 +193,14 @@ def main() -> None:
     gpt.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
     gpt.add_argument("extra", nargs="*", help="more fabric_gpt.py flags (after --)")
     gpt.set_defaults(func=bench_gpt)
-    gpt.add_argument("--keep", action="store_true", default=argparse.SUPPRESS, help="as above, after the command")
-    args = parser.parse_args()
+    for command in (lenet, gpt):  # the common flags also after the command, as `make bench-* ARGS=...` puts them
+        command.add_argument("--out-dir", default=argparse.SUPPRESS, help="as above, after the command")
+        command.add_argument("--keep", action="store_true", default=argparse.SUPPRESS, help="as above, after the command")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     args.func(args)
 
 

@@ -66,3 +66,14 @@ def test_half_written_and_old_runs_give_notes(runs, tmp_path):
     assert "`lenet-killed` has no record.json" in text and "RESUME=auto RUN=lenet-killed" in text
     assert "could not be built (KeyError" in text
     assert "bench.json` is unreadable" in text
+
+
+def test_benchmark_output_flags_work_before_and_after_the_command():
+    """`make bench-lenet ARGS="--out-dir d"` puts the flag after the command; make lab puts it before."""
+    import bench
+
+    after = bench.parse_args(["lenet", "--out-dir", "d", "--keep", "--seeds", "2"])
+    before = bench.parse_args(["--out-dir", "e", "gpt", "--model", "tiny"])
+    assert (after.out_dir, after.keep, after.seeds, after.func) == ("d", True, 2, bench.bench_lenet)
+    assert (before.out_dir, before.keep, before.func) == ("e", False, bench.bench_gpt)
+    assert bench.parse_args(["gpt"]).out_dir == "runs"
