@@ -153,11 +153,14 @@ def load_data(cfg: Config):
 
 
 def epoch_order(n: int, epoch: int, cfg: Config, rank: int, world: int) -> torch.Tensor:
-    """This rank's sample indices for an epoch. The same permutation and rank interleaving as
+    """This rank's sample indices for an epoch. The same permutation, padding and rank interleaving as
     DistributedSampler(shuffle=True, seed=cfg.seed), so every global batch is the same whatever the
-    number of processes, and the in-memory and DataLoader paths see the same samples in the same order."""
+    number of processes, and the in-memory and DataLoader paths see the same samples in the same order.
+    The padding (the permutation's first indices again, up to a multiple of `world`) gives every rank the
+    same number of steps: with one step more on one rank, the others would wait for it forever."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-    return order[rank::world]
+    total = math.ceil(n / world) * world
+    return order.repeat(math.ceil(total / n))[:total][rank::world]
 
 
 def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_batch: int, train_tensors):

@@ -85,10 +85,21 @@ def test_epoch_order_matches_distributed_sampler():
     from torch.utils.data import DistributedSampler
 
     cfg = Config(seed=7)
-    for rank in range(2):
-        sampler = DistributedSampler(range(100), num_replicas=2, rank=rank, shuffle=True, seed=7)
-        sampler.set_epoch(3)
-        assert list(sampler) == epoch_order(100, 3, cfg, rank, 2).tolist()
+    for n, world in ((100, 2), (101, 2), (513, 2), (10, 3), (2, 4), (1, 3)):  # uneven counts are padded alike
+        for rank in range(world):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=7)
+            sampler.set_epoch(3)
+            assert list(sampler) == epoch_order(n, 3, cfg, rank, world).tolist()
+
+
+@pytest.mark.slow
+def test_two_processes_finish_when_the_samples_do_not_split_evenly(mnist_dir, tmp_path):
+    """513 samples on 2 ranks of 256 a step: unpadded, rank 0 had a second step that rank 1 never joined (a hang)."""
+    run_script("fabric_lenet.py", *QUICK, "--train-samples", "513", "--batch-size", "512", "--epochs", "1",
+               "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+               "--run-name", "uneven", timeout=180)
+    summary = read_summary(tmp_path / "uneven")
+    assert (summary["world_size"], summary["steps"], summary["epochs"]) == (2, 2, 1)
 
 
 def test_random_shift_is_a_crop_of_the_padded_image():
