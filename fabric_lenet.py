@@ -147,6 +147,9 @@ def load_data(cfg: Config):
     """Train and test splits, parsed once from the IDX files (downloaded or copied from the mirror)."""
     train = datasets_local.MNIST(cfg.data_dir, train=True, download=True, mirror=cfg.mirror or None)
     test = datasets_local.MNIST(cfg.data_dir, train=False, download=True, mirror=cfg.mirror or None)
+    if cfg.train_samples > len(train):
+        raise ConfigError(f"--train-samples {cfg.train_samples} is more than the {len(train):,} training images; "
+                          f"use at most {len(train)} (0: all)")
     if cfg.train_samples:
         train.images, train.labels = train.images[:cfg.train_samples], train.labels[:cfg.train_samples]
     return train, test
@@ -180,6 +183,12 @@ def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_bat
 def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
     """Optimizer steps in one epoch: each rank takes batch_size / world of its n_samples / world samples."""
     return math.ceil(n_samples / world / (cfg.batch_size // world))
+
+
+def samples_trained(progress: Progress, n_samples: int, cfg: Config, world: int) -> int:
+    """Samples trained on by all ranks so far: whole epochs (padded as epoch_order pads them), then the full
+    batches of the current one (an epoch's last batch is the only short one)."""
+    return progress.epoch * math.ceil(n_samples / world) * world + progress.step_in_epoch * cfg.batch_size
 
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
@@ -353,7 +362,7 @@ def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
     from torchvision.utils import make_grid
 
     fig, ax = plt.subplots(figsize=(5, 5))
-    ax.imshow(torch.tensor(result["confusion"]).log1p(), cmap="Blues")
+    ax.imshow(torch.tensor(result["confusion"]).log1p().numpy(), cmap="Blues")
     ax.set(xlabel="predicted", ylabel="true", xticks=range(10), yticks=range(10), title="confusion (log counts)")
     writer.add_figure("test/confusion_matrix", fig, step)
     plt.close(fig)
@@ -479,7 +488,8 @@ def run(cfg: Config) -> dict:
                "per_class_acc": result["per_class_acc"], "confusion": result["confusion"],
                "epochs": progress.epoch + (1 if progress.step_in_epoch else 0), "steps": progress.global_step,
                "train_time_s": progress.train_time_s,
-               "samples_per_s": progress.global_step * cfg.batch_size / max(progress.train_time_s, 1e-9),
+               "samples_per_s": samples_trained(progress, len(train_set), cfg, fabric.world_size)
+               / max(progress.train_time_s, 1e-9),
                "world_size": fabric.world_size, "device": str(fabric.device), "history": progress.history,
                "epoch_history": [h for h in progress.history if not h.get("partial")]}
     summary = run.finish(summary, {"hparams/test_acc": result["test_acc"], "hparams/test_loss": result["test_loss"]})

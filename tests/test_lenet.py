@@ -100,6 +100,7 @@ def test_two_processes_finish_when_the_samples_do_not_split_evenly(mnist_dir, tm
                "--run-name", "uneven", timeout=180)
     summary = read_summary(tmp_path / "uneven")
     assert (summary["world_size"], summary["steps"], summary["epochs"]) == (2, 2, 1)
+    assert summary["samples_per_s"] * summary["train_time_s"] == pytest.approx(514)  # one sample twice, as padded
 
 
 def test_random_shift_is_a_crop_of_the_padded_image():
@@ -126,6 +127,8 @@ def test_one_epoch_on_real_mnist_reaches_97_percent(mnist_dir, tmp_path):
     assert len(s["per_class_acc"]) == 10 and min(s["per_class_acc"]) > 0.9
     for key in ("epochs", "train_time_s", "samples_per_s", "config", "env"):
         assert key in s
+    # 118 steps of 512 but 60,000 samples: the short last batch is counted as what it is
+    assert s["samples_per_s"] * s["train_time_s"] == pytest.approx(60_000)
     assert (tmp_path / "one" / "checkpoints").is_dir() and list((tmp_path / "one").glob("events.out.tfevents.*"))
 
 
@@ -176,6 +179,14 @@ def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, arg
     message = str(exit_.value.code)
     assert message.startswith("error:") and words in message
     assert not list(tmp_path.iterdir())
+
+
+def test_more_training_samples_than_mnist_has_are_refused(mnist_dir, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        fabric_lenet.main(["--train-samples", "70000", "--data-dir", str(mnist_dir), "--out-dir", str(tmp_path)])
+    assert str(exit_.value.code) == ("error: --train-samples 70000 is more than the 60,000 training images; "
+                                     "use at most 60000 (0: all)")
+    assert not list(tmp_path.iterdir())  # refused before a run folder was made
 
 
 def test_unknown_choice_is_an_argparse_error(capsys):
