@@ -162,8 +162,13 @@ def epoch_order(n: int, epoch: int, cfg: Config, rank: int, world: int) -> torch
     The padding (the permutation's first indices again, up to a multiple of `world`) gives every rank the
     same number of steps: with one step more on one rank, the others would wait for it forever."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-    total = math.ceil(n / world) * world
+    total = padded_epoch(n, world)
     return order.repeat(math.ceil(total / n))[:total][rank::world]
+
+
+def padded_epoch(n: int, world: int) -> int:
+    """Samples in one epoch over all ranks: n padded up to a multiple of the world size."""
+    return math.ceil(n / world) * world
 
 
 def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_batch: int, train_tensors):
@@ -186,9 +191,9 @@ def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
 
 
 def samples_trained(progress: Progress, n_samples: int, cfg: Config, world: int) -> int:
-    """Samples trained on by all ranks so far: whole epochs (padded as epoch_order pads them), then the full
-    batches of the current one (an epoch's last batch is the only short one)."""
-    return progress.epoch * math.ceil(n_samples / world) * world + progress.step_in_epoch * cfg.batch_size
+    """Samples trained on by all ranks so far: whole (padded) epochs, then the full batches of the current one
+    (an epoch's last batch is the only short one)."""
+    return progress.epoch * padded_epoch(n_samples, world) + progress.step_in_epoch * cfg.batch_size
 
 
 def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
