@@ -15,6 +15,7 @@ device mesh and saves distributed checkpoints; the functions here decide what ea
 import argparse
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -394,7 +395,9 @@ def export_checkpoint(folder) -> dict:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
         keys = {k for k in FileSystemReader(str(state)).read_metadata().state_dict_metadata if k.startswith("model.")}
-        sd = _load_state_dict_from_keys(keys, checkpoint_id=str(state))["model"]  # nested back under "model"
+        with warnings.catch_warnings():  # one process reading every shard is the point here, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+            sd = _load_state_dict_from_keys(keys, checkpoint_id=str(state))["model"]  # nested back under "model"
     else:
         sd = torch.load(state, map_location="cpu", weights_only=False)["model"]
     sd = {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}
