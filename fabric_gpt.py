@@ -359,7 +359,7 @@ def print_summary(fabric: Fabric, r: dict) -> None:
                  f"{'throughput':<22}{r['tokens_per_s']:,.0f} tokens/s, {r['samples_per_s']:,.2f} samples/s\n"
                  f"{'TFLOPS per device':<22}{r['tflops_per_device']:.3f} (6N+attention), {r['tflops_per_device_8n']:.3f} (course, 8N)\n"
                  f"{'MFU':<22}{mfu}\n"
-                 f"{'peak memory (GiB)':<22}{mem}; planned {r['planned_gb']:.2f}\n"
+                 f"{'peak memory (GiB)':<22}{mem}; planned {r['planned_gb']:.3g}\n"
                  f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}")
 
 
