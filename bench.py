@@ -84,7 +84,8 @@ def bench_lenet(args) -> None:
     lines += ["", f"Recipes over {args.seeds} seeds (0..{args.seeds - 1}); training time excludes evaluation:", "",
               "| recipe | flags | test acc mean ± std | min | train s (mean) | samples/s (mean) | vs DataLoader b64 | "
               "s to 99.0% (max over seeds) |", "|---|---|---|---|---|---|---|---|"]
-    for recipe, flags in (("default", "(defaults)"), ("short", " ".join(SHORT_RECIPE))):
+    auto = results["default_seed0"]["precision"]  # what --precision auto chose on this CPU
+    for recipe, flags in (("default", f"(defaults: {auto})"), ("short", " ".join(SHORT_RECIPE))):
         m = summary[recipe]
         t99 = f"{m['time_to_99_0_max_s']:.1f}" if m["time_to_99_0_max_s"] is not None else "not reached in every seed"
         lines.append(f"| {recipe} | `{flags}` | {100 * m['acc_mean']:.2f}% ± {100 * m['acc_std']:.2f} | {100 * m['acc_min']:.2f}% | "
