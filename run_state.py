@@ -490,6 +490,9 @@ def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
     """What both scripts' main() do: validate, find the run a --resume means, run it, and turn every
     expected failure into one line `error: ...` (exit 1) and a clean stop into 128 + the signal number."""
     try:
+        if cfg.run_name and (Path(cfg.run_name).name != cfg.run_name or cfg.run_name in (".", "..")):
+            raise ConfigError(f"--run-name {cfg.run_name!r} is a path; it names one folder under --out-dir "
+                              f"({cfg.out_dir}). Give the parent folder as --out-dir and a plain name as --run-name")
         validate(cfg)
         if cfg.resume and not cfg.run_name:
             cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)

@@ -171,6 +171,8 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--epochs", "0"], "at least 1"),
     (["--pad-channels", "4"], "0 (off) or at least 6"),
     (["--label-smoothing", "1"], "up to (not including) 1"),
+    (["--run-name", "/tmp/elsewhere"], "it names one folder under --out-dir"),
+    (["--run-name", ".."], "it names one folder under --out-dir"),
 ])
 def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, args, words):
     monkeypatch.setattr(fabric_lenet, "run", lambda cfg: pytest.fail("training started"))
