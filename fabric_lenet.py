@@ -42,8 +42,8 @@ class Config:
     num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
     strategy: str = opt("auto", "ddp: one process per device; dp: one process, several GPUs", STRATEGIES)
     precision: str = opt("auto", "auto: bf16-mixed on GPUs (16-mixed without bf16) and on CPUs with AMX, else "
-                         "32-true (bf16 autocast was 1.5x faster than float32 with AMX, slower without: 1.2x with "
-                         "AVX-512 BF16, 2.1x with AVX-512, 8.7x with AVX2)", PRECISIONS)
+                         "32-true (bf16 autocast was 1.4-1.5x faster than float32 with AMX, slower without: 1.2x with "
+                         "AVX-512 BF16, 2.2x with AVX-512, 8.7x with AVX2)", PRECISIONS)
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many, the extra ones held at "
