@@ -454,9 +454,6 @@ def validate_parallel_sizes(cfg: Config) -> None:
         if cfg.grad_accum < p:
             raise ConfigError(f"--grad-accum {cfg.grad_accum}: a pipeline of {p} stages needs at least {p} "
                               f"micro-batches per step (they are what flows through the stages); use --grad-accum {p} or more")
-    if cfg.strategy == "pp" and cfg.grad_checkpointing:
-        raise ConfigError("--grad-checkpointing with --strategy pp is not wired here (the stages call the blocks "
-                          "directly); drop one of them")
 
 
 def parse_args(argv=None) -> Config:
