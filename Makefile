@@ -30,55 +30,66 @@ help: ## list the targets
 	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags' | FORCE=1 STAGES=a,b (lab)"
 
 # The virtual environment is rebuilt only when requirements.txt changes.
+SETUP := $(VENV)/.installed $(VENV)/.libaio
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
-setup: $(VENV)/.installed ## create .venv and install requirements.txt
+# DeepSpeed's NVMe offload (--nvme-path) compiles against libaio. Without the system's libaio-dev, Debian's
+# packages are unpacked into the venv (apt-get download needs no root); strategies.py points the build there.
+$(VENV)/.libaio: $(VENV)/.installed
+	if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null; then \
+	  rm -rf $(VENV)/libaio && mkdir -p $(VENV)/libaio && cd $(VENV)/libaio && \
+	  { apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1 || apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1t64; } && \
+	  for deb in *.deb; do dpkg-deb -x $$deb .; done; \
+	fi || echo "note: libaio was not fetched; --nvme-path is refused until libaio-dev is installed"
+	touch $@
 
-lab: $(VENV)/.installed ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
+setup: $(SETUP) ## create .venv and install requirements.txt (and libaio for NVMe offload where the system lacks it)
+
+lab: $(SETUP) ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
 	$(PY) lab.py --runs $(RUNS) $(if $(filter 1 yes true,$(FORCE)),--force) $(call flag,STAGES,--stages)
 
-gpu-check: $(VENV)/.installed ## CUDA machines: every GPU path with a verdict and its figure, into runs/gpu-check/
+gpu-check: $(SETUP) ## CUDA machines: every GPU path with a verdict and its figure, into runs/gpu-check/
 	$(PY) lab.py --runs $(RUNS) gpu-check
 
-data: $(VENV)/.installed ## download and verify MNIST into data/mnist (MNIST_MIRROR=folder-or-URL when offline)
+data: $(SETUP) ## download and verify MNIST into data/mnist (MNIST_MIRROR=folder-or-URL when offline)
 	$(PY) datasets_local.py --root data/mnist
 
-lenet: $(VENV)/.installed ## train LeNet-5 on MNIST (ACT=gelu_cpp, DEVICES=2 STRATEGY=ddp, RESUME=auto, ...)
+lenet: $(SETUP) ## train LeNet-5 on MNIST (ACT=gelu_cpp, DEVICES=2 STRATEGY=ddp, RESUME=auto, ...)
 	$(PY) fabric_lenet.py $(LENET_FLAGS)
 
-tb: $(VENV)/.installed ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
+tb: $(SETUP) ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
 	@echo "TensorBoard: http://$(TB_HOST):$(TB_PORT)/"
 	$(VENV)/bin/tensorboard --logdir $(RUNS) --host $(TB_HOST) --port $(TB_PORT)
 
-test: $(VENV)/.installed ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
+test: $(SETUP) ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
 	$(PY) -m pytest tests $(ARGS)
 
-test-fast: $(VENV)/.installed ## the single-process tests only (no multi-process or DeepSpeed runs), for development
+test-fast: $(SETUP) ## the single-process tests only (no multi-process or DeepSpeed runs), for development
 	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
-gelu-check: $(VENV)/.installed ## compare the Python and C++ GELU with F.gelu, plus gradcheck
+gelu-check: $(SETUP) ## compare the Python and C++ GELU with F.gelu, plus gradcheck
 	$(PY) -m gelu_ext check
 
-bench-gelu: $(VENV)/.installed ## time forward+backward of F.gelu, the Python and the C++ GELU (16M floats)
+bench-gelu: $(SETUP) ## time forward+backward of F.gelu, the Python and the C++ GELU (16M floats)
 	$(PY) -m gelu_ext bench $(ARGS)
 
-bench-lenet: $(VENV)/.installed ## LeNet-5 samples/s (DataLoader vs in-memory) and time to 99.0% test accuracy
+bench-lenet: $(SETUP) ## LeNet-5 samples/s (DataLoader vs in-memory) and time to 99.0% test accuracy
 	$(PY) bench.py lenet $(ARGS)
 
-gpt: $(VENV)/.installed ## train GPT-2 on random tokens (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
+gpt: $(SETUP) ## train GPT-2 on random tokens (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
 	$(PY) fabric_gpt.py $(GPT_FLAGS)
 
-gpt-plan: $(VENV)/.installed ## print the per-device memory plan for MODEL/STRATEGY/DEVICES without training
+gpt-plan: $(SETUP) ## print the per-device memory plan for MODEL/STRATEGY/DEVICES without training
 	$(PY) fabric_gpt.py --plan $(GPT_FLAGS)
 
-bench-gpt: $(VENV)/.installed ## sweep strategies and precisions on equal data; writes a Markdown table
+bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
 	$(PY) bench.py gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
 
-report: $(VENV)/.installed ## write report/REPORT.md with figures from the runs under runs/
+report: $(SETUP) ## write report/REPORT.md with figures from the runs under runs/
 	$(PY) report.py --runs $(RUNS) --out report $(ARGS)
 
 clean: ## remove runs/, report/ and the C++ build (keeps .venv and data/)

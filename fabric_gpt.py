@@ -416,7 +416,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan:
         return
-    check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
+    on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
+    if cfg.nvme_path:
+        strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
     if cfg.precision == "16-mixed" and cfg.strategy in strategies.MODEL_PARALLEL:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")

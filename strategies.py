@@ -13,13 +13,17 @@ device mesh and saves distributed checkpoints; the functions here decide what ea
 """
 
 import argparse
+import ctypes
 import functools
 import os
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from run_state import ConfigError
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
               "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
@@ -66,6 +70,34 @@ def deepspeed_config(cfg) -> dict:
     if cfg.nvme_path:
         config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     return config
+
+
+# `make setup` unpacks Debian's libaio here when the system has no libaio-dev (no root needed)
+VENV_LIBAIO = Path(sys.prefix) / "libaio" / "usr"
+
+
+def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
+    """ZeRO-Infinity's NVMe offload: DeepSpeed compiles its async I/O op against libaio and swaps into `path`.
+    Point the build (and the loader) at the venv's libaio when the system has none; refuse early when
+    DeepSpeed still finds no libaio or the folder cannot be written."""
+    lib = next(VENV_LIBAIO.glob("lib/*/libaio.so.1"), None)
+    if lib is not None and not Path("/usr/include/libaio.h").exists():
+        for var, folder in (("CPATH", VENV_LIBAIO / "include"), ("LIBRARY_PATH", lib.parent)):
+            os.environ[var] = os.pathsep.join(filter(None, [str(folder), os.environ.get(var)]))
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the op needs libaio.so.1: once loaded, found by name
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed's first import, as below
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible():
+        raise ConfigError("--nvme-path: DeepSpeed's async I/O op needs libaio, which is not installed here; install "
+                          "libaio-dev (apt) or run `make setup`, which unpacks it into .venv on Debian/Ubuntu")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"cannot write into {path}")
+    except OSError as e:
+        raise ConfigError(f"--nvme-path {path}: {e}; give a writable folder on a fast local disk") from None
 
 
 def cpu_deepspeed_strategy(config: dict):

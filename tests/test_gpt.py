@@ -116,13 +116,22 @@ def test_strategy_equals_one_process(single, two_process, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
-def test_offload_equals_one_process(single_adamw, tmp_path, strategy):
-    """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process."""
-    run_gpt(tmp_path, "off", "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2")
+@pytest.mark.parametrize("strategy,target", [("deepspeed_stage_2_offload", "cpu"), ("deepspeed_stage_3_offload", "cpu"),
+                                             ("deepspeed_stage_3_offload", "nvme")])
+def test_offload_equals_one_process(single_adamw, tmp_path, strategy, target):
+    """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process.
+    NVMe offload (ZeRO-Infinity) swaps parameters and optimizer states through DeepSpeed's libaio op into
+    a folder, here on the test's disk."""
+    nvme = tmp_path / "nvme"
+    run_gpt(tmp_path, "off", "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2",
+            *(["--nvme-path", nvme] if target == "nvme" else []))
     one, off = losses(*single_adamw), losses(tmp_path, "off")
     assert off[0] == pytest.approx(one[0], abs=1e-5)
     assert off == pytest.approx(one, rel=2e-3) and off[-1] < off[0] - 0.5
+    if target == "nvme":  # DeepSpeed's swapper made a folder per rank for the parameters and the optimizer states
+        assert sorted(p.relative_to(nvme).as_posix() for p in nvme.glob("zero_stage_3/*/rank*")) == [
+            "zero_stage_3/float32params/rank0", "zero_stage_3/float32params/rank1",
+            "zero_stage_3/optimizer/rank0", "zero_stage_3/optimizer/rank1"]
 
 
 @pytest.mark.slow
@@ -364,6 +373,7 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("args,words", [
     (["--strategy", "ddp", "--nvme-path", "/tmp/nvme"], "--nvme-path offloads through DeepSpeed ZeRO-3"),
+    (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/proc/nvme"], "give a writable folder"),
     (["--devices", "512", "--accelerator", "cpu"], "CPU cores"),
     (["--num-samples", "10", "--micro-batch-size", "4"], "not a multiple of the 4 samples per optimizer step"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
