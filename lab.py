@@ -252,6 +252,18 @@ def gpu_check(args) -> int:
     if gpus < 2:
         rows.append({"check": "GPT tiny, multi-GPU strategies", "verdict": "not run", "figure": "needs 2 GPUs", "seconds": 0})
 
+    # ZeRO-Infinity: parameters and optimizer states swapped to a folder through libaio and stepped by DeepSpeed's
+    # CPU Adam, so the reference is AdamW on one GPU
+    tiny_adamw = ["fabric_gpt.py", "--model", "tiny", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1",
+                  "--lr", "1e-2", "--accelerator", "cuda", "--micro-batch-size", "4", "--out-dir", out]
+
+    def offload_same():
+        got, ref = losses("gpt-nvme"), losses("gpt-adamw")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+        return len(got) == len(ref) and worst < 2e-3, f"largest relative loss difference to AdamW on 1 GPU {worst:.1e}"
+    check("GPT tiny, ZeRO-3 NVMe offload, 1 GPU", [*tiny_adamw, "--run-name", "gpt-adamw"], offload_same,
+          [*tiny_adamw, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", out / "nvme", "--run-name", "gpt-nvme"])
+
     def big_verdict():
         r = record("gpt-1.6b")
         mem = r["memory"]["max_allocated_gb"]
