@@ -411,6 +411,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
     if cfg.nvme_path and cfg.strategy != "deepspeed_stage_3_offload":
         raise ConfigError("--nvme-path offloads through DeepSpeed ZeRO-3: use it with --strategy deepspeed_stage_3_offload")
+    if cfg.nvme_path and cfg.resume:  # its load skips the optimizer state and the swapper starts AdamW anew
+        raise ConfigError("--resume with --nvme-path: DeepSpeed does not bring AdamW's moments and step count back from "
+                          "an NVMe-offload checkpoint, so the resumed run would not be the uninterrupted one; start the "
+                          "run again, or offload to CPU memory (no --nvme-path), whose runs resume exactly")
     validate_parallel_sizes(cfg)
     if cfg.optimizer == "sgd" and cfg.strategy.endswith("_offload"):
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")

@@ -252,9 +252,9 @@ def gpu_check(args) -> int:
     if gpus < 2:
         rows.append({"check": "GPT tiny, multi-GPU strategies", "verdict": "not run", "figure": "needs 2 GPUs", "seconds": 0})
 
-    # ZeRO-Infinity: parameters and optimizer states swapped to a folder through libaio and stepped by DeepSpeed's
-    # CPU Adam, so the reference is AdamW on one GPU
-    tiny_adamw = ["fabric_gpt.py", "--model", "tiny", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1",
+    # ZeRO-Infinity: optimizer states swapped to a folder through libaio (tensors of 1 MiB or more: a wider tiny model)
+    # and stepped by DeepSpeed's CPU Adam, so the reference is AdamW on one GPU
+    tiny_adamw = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1",
                   "--lr", "1e-2", "--accelerator", "cuda", "--micro-batch-size", "4", "--out-dir", out]
 
     def offload_same():

@@ -116,22 +116,34 @@ def test_strategy_equals_one_process(single, two_process, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,target", [("deepspeed_stage_2_offload", "cpu"), ("deepspeed_stage_3_offload", "cpu"),
-                                             ("deepspeed_stage_3_offload", "nvme")])
-def test_offload_equals_one_process(single_adamw, tmp_path, strategy, target):
-    """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process.
-    NVMe offload (ZeRO-Infinity) swaps parameters and optimizer states through DeepSpeed's libaio op into
-    a folder, here on the test's disk."""
-    nvme = tmp_path / "nvme"
-    run_gpt(tmp_path, "off", "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2",
-            *(["--nvme-path", nvme] if target == "nvme" else []))
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
+def test_offload_equals_one_process(single_adamw, tmp_path, strategy):
+    """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process."""
+    run_gpt(tmp_path, "off", "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2")
     one, off = losses(*single_adamw), losses(tmp_path, "off")
     assert off[0] == pytest.approx(one[0], abs=1e-5)
     assert off == pytest.approx(one, rel=2e-3) and off[-1] < off[0] - 0.5
-    if target == "nvme":  # DeepSpeed's swapper made a folder per rank for the parameters and the optimizer states
-        assert sorted(p.relative_to(nvme).as_posix() for p in nvme.glob("zero_stage_3/*/rank*")) == [
-            "zero_stage_3/float32params/rank0", "zero_stage_3/float32params/rank1",
-            "zero_stage_3/optimizer/rank0", "zero_stage_3/optimizer/rank1"]
+
+
+# DeepSpeed swaps only tensors of at least 1 MiB (MIN_AIO_BYTES): 0.83M parameters give each of 2 ranks 1.6 MiB
+SWAPPED = ["--n-embd", "128", "--n-layer", "4"]
+
+
+@pytest.mark.slow
+def test_nvme_offload_equals_one_process(tmp_path):
+    """ZeRO-Infinity: each rank's float32 partition and AdamW's two moments live in files under --nvme-path
+    (here on the test's disk), swapped in and out every step through DeepSpeed's libaio op."""
+    nvme = tmp_path / "nvme"
+    run_gpt(tmp_path, "one", *SWAPPED, "--micro-batch-size", "4")
+    run_gpt(tmp_path, "nvme", *SWAPPED, "--strategy", "deepspeed_stage_3_offload", "--devices", "2",
+            "--micro-batch-size", "2", "--nvme-path", nvme)
+    one, off = losses(tmp_path, "one"), losses(tmp_path, "nvme")
+    assert off[0] == pytest.approx(one[0], abs=1e-5)
+    assert off == pytest.approx(one, rel=2e-3) and off[-1] < off[0] - 0.3
+    for rank in (0, 1):
+        files = sorted((nvme / "zero_stage_3" / "optimizer" / f"rank{rank}").glob("*.tensor.swp"))
+        assert len(files) == 3 and all(f.stat().st_size >= 2**20 for f in files), files
+        assert [f.name.split("-")[0] for f in files[1:]] == ["exp_avg", "exp_avg_sq"]  # after the float32 partition
 
 
 @pytest.mark.slow
@@ -188,6 +200,16 @@ def test_gradient_checkpointing_is_on_and_leaves_loss_and_gradients_unchanged():
     assert torch.equal(l0, l1)
     for name in g0:
         torch.testing.assert_close(g0[name], g1[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_cpu_offload_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
+    """ZeRO-3 offloaded to CPU memory resumes exactly, AdamW's moments included (NVMe offload cannot: refused)."""
+    args = ["--strategy", "deepspeed_stage_3_offload", "--devices", "2", "--micro-batch-size", "2"]
+    run_gpt(tmp_path, "whole", *args)
+    run_gpt(tmp_path, "cut", *args, "--steps", "5")
+    assert "resumed from" in run_gpt(tmp_path, "cut", *args, "--resume", "auto").stdout
+    assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)
 
 
 def test_pipeline_stage_recomputes_its_blocks_under_checkpointing():
@@ -374,6 +396,7 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
 @pytest.mark.parametrize("args,words", [
     (["--strategy", "ddp", "--nvme-path", "/tmp/nvme"], "--nvme-path offloads through DeepSpeed ZeRO-3"),
     (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/proc/nvme"], "give a writable folder"),
+    (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme", "--resume", "auto"], "moments and step count"),
     (["--devices", "512", "--accelerator", "cpu"], "CPU cores"),
     (["--num-samples", "10", "--micro-batch-size", "4"], "not a multiple of the 4 samples per optimizer step"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
