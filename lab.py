@@ -254,8 +254,9 @@ def gpu_check(args) -> int:
 
     # ZeRO-Infinity: optimizer states swapped to a folder through libaio (tensors of 1 MiB or more: a wider tiny model)
     # and stepped by DeepSpeed's CPU Adam, so the reference is AdamW on one GPU
-    tiny_adamw = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1",
-                  "--lr", "1e-2", "--accelerator", "cuda", "--micro-batch-size", "4", "--out-dir", out]
+    tiny_adamw = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--dataset", "ramp",
+                  "--num-samples", "48", "--warmup-steps", "1", "--lr", "1e-2", "--accelerator", "cuda",
+                  "--micro-batch-size", "4", "--out-dir", out]
 
     def offload_same():
         got, ref = losses("gpt-nvme"), losses("gpt-adamw")
