@@ -10,6 +10,7 @@ an interrupted benchmark keeps its finished cases. Each stage's output goes to r
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -239,16 +240,20 @@ def gpu_check(args) -> int:
           ["-m", "gelu_ext", "bench", "--device", "cuda", "--out", out / "gelu"])
 
     losses = lambda run: [loss for _, loss in record(run)["losses"]]  # noqa: E731
+
+    def same_losses(run: str, ref: str, tolerance: float):
+        """A verdict: every step's loss of `run` within `tolerance` (relative) of `ref`'s."""
+        got, want = losses(run), losses(ref)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        return len(got) == len(want) and worst < tolerance, f"largest relative loss difference {worst:.1e} over {len(want)} steps"
+
     check("GPT tiny, 1 GPU (reference)", ["fabric_gpt.py", *TINY_EXACT, "--micro-batch-size", "4", "--out-dir", out,
                                           "--run-name", "gpt-single"], lambda: (True, f"losses {losses('gpt-single')[0]:.4f} .. "
                                                                                       f"{losses('gpt-single')[-1]:.4f}"))
     for strategy, flags in TINY_BY_STRATEGY.items() if gpus >= 2 else ():
-        def same(run=f"gpt-{strategy}"):
-            got, ref = losses(run), losses("gpt-single")
-            worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-            return len(got) == len(ref) and worst < 1e-3, f"largest relative loss difference {worst:.1e} over {len(ref)} steps"
         check(f"GPT tiny, {strategy} on 2 GPUs", ["fabric_gpt.py", *TINY_EXACT, "--strategy", strategy, "--devices", "2",
-                                                 *flags, "--out-dir", out, "--run-name", f"gpt-{strategy}"], same)
+                                                 *flags, "--out-dir", out, "--run-name", f"gpt-{strategy}"],
+              functools.partial(same_losses, f"gpt-{strategy}", "gpt-single", 1e-3))
     if gpus < 2:
         rows.append({"check": "GPT tiny, multi-GPU strategies", "verdict": "not run", "figure": "needs 2 GPUs", "seconds": 0})
 
@@ -257,12 +262,8 @@ def gpu_check(args) -> int:
     tiny_adamw = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--dataset", "ramp",
                   "--num-samples", "48", "--warmup-steps", "1", "--lr", "1e-2", "--accelerator", "cuda",
                   "--micro-batch-size", "4", "--out-dir", out]
-
-    def offload_same():
-        got, ref = losses("gpt-nvme"), losses("gpt-adamw")
-        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-        return len(got) == len(ref) and worst < 2e-3, f"largest relative loss difference to AdamW on 1 GPU {worst:.1e}"
-    check("GPT tiny, ZeRO-3 NVMe offload, 1 GPU", [*tiny_adamw, "--run-name", "gpt-adamw"], offload_same,
+    check("GPT tiny, ZeRO-3 NVMe offload, 1 GPU", [*tiny_adamw, "--run-name", "gpt-adamw"],
+          functools.partial(same_losses, "gpt-nvme", "gpt-adamw", 2e-3),
           [*tiny_adamw, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", out / "nvme", "--run-name", "gpt-nvme"])
 
     def big_verdict():
