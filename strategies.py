@@ -72,7 +72,7 @@ def deepspeed_config(cfg) -> dict:
     return config
 
 
-# `make setup` unpacks Debian's libaio here when the system has no libaio-dev (no root needed)
+# `make setup` unpacks Debian's libaio here, only when the system has no libaio-dev (no root needed)
 VENV_LIBAIO = Path(sys.prefix) / "libaio" / "usr"
 
 
@@ -81,7 +81,7 @@ def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
     Point the build (and the loader) at the venv's libaio when the system has none; refuse early when
     DeepSpeed still finds no libaio or the folder cannot be written."""
     lib = next(VENV_LIBAIO.glob("lib/*/libaio.so.1"), None)
-    if lib is not None and not Path("/usr/include/libaio.h").exists():
+    if lib is not None:
         for var, folder in (("CPATH", VENV_LIBAIO / "include"), ("LIBRARY_PATH", lib.parent)):
             os.environ[var] = os.pathsep.join(filter(None, [str(folder), os.environ.get(var)]))
         ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the op needs libaio.so.1: once loaded, found by name
