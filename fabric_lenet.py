@@ -397,13 +397,18 @@ def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
         writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
 
 
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def print_summary(fabric: Fabric, summary: dict) -> None:
     fabric.print(f"\n{'class':>7} | accuracy")
     for digit, acc in enumerate(summary["per_class_acc"]):
         fabric.print(f"{digit:>7} | {100 * acc:6.2f}%")
     fabric.print(f"{'all':>7} | {100 * summary['test_acc']:6.2f}%\n"
-                 f"{summary['epochs']} epochs, {summary['steps']} steps in {summary['train_time_s']:.1f} s of "
-                 f"training ({summary['samples_per_s']:,.0f} samples/s); run folder {summary['run_dir']}")
+                 f"{count(summary['epochs'], 'epoch')}, {count(summary['steps'], 'step')} in "
+                 f"{summary['train_time_s']:.1f} s of training ({summary['samples_per_s']:,.0f} samples/s); "
+                 f"run folder {summary['run_dir']}")
 
 
 # ----------------------------------------------------------------------------- main
