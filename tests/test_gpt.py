@@ -115,12 +115,27 @@ def test_strategy_equals_one_process(single, two_process, name):
     assert changed.abs().max() > 1e-3  # the comparison is about trained weights
 
 
+OFFLOAD = ["--devices", "2", "--micro-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def offload_run(tmp_path_factory):
+    """Uninterrupted 2-process ZeRO-Offload runs, each made once: compared with one process, and the ZeRO-3 one
+    also with a stopped and resumed run."""
+    out = tmp_path_factory.mktemp("offload")
+
+    def get(strategy: str):
+        if not (out / strategy / "record.json").exists():
+            run_gpt(out, strategy, "--strategy", strategy, *OFFLOAD)
+        return out, strategy
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
-def test_offload_equals_one_process(single_adamw, tmp_path, strategy):
+def test_offload_equals_one_process(single_adamw, offload_run, strategy):
     """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process."""
-    run_gpt(tmp_path, "off", "--strategy", strategy, "--devices", "2", "--micro-batch-size", "2")
-    one, off = losses(*single_adamw), losses(tmp_path, "off")
+    one, off = losses(*single_adamw), losses(*offload_run(strategy))
     assert off[0] == pytest.approx(one[0], abs=1e-5)
     assert off == pytest.approx(one, rel=2e-3) and off[-1] < off[0] - 0.5
 
@@ -203,13 +218,12 @@ def test_gradient_checkpointing_is_on_and_leaves_loss_and_gradients_unchanged():
 
 
 @pytest.mark.slow
-def test_cpu_offload_stop_and_resume_gives_the_uninterrupted_run(tmp_path):
+def test_cpu_offload_stop_and_resume_gives_the_uninterrupted_run(offload_run, tmp_path):
     """ZeRO-3 offloaded to CPU memory resumes exactly, AdamW's moments included (NVMe offload cannot: refused)."""
-    args = ["--strategy", "deepspeed_stage_3_offload", "--devices", "2", "--micro-batch-size", "2"]
-    run_gpt(tmp_path, "whole", *args)
+    args = ["--strategy", "deepspeed_stage_3_offload", *OFFLOAD]
     run_gpt(tmp_path, "cut", *args, "--steps", "5")
     assert "resumed from" in run_gpt(tmp_path, "cut", *args, "--resume", "auto").stdout
-    assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)
+    assert losses(tmp_path, "cut") == pytest.approx(losses(*offload_run("deepspeed_stage_3_offload")), rel=1e-6)
 
 
 def test_pipeline_stage_recomputes_its_blocks_under_checkpointing():
