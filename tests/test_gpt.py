@@ -150,8 +150,7 @@ def test_nvme_offload_equals_one_process(tmp_path):
     (here on the test's disk), swapped in and out every step through DeepSpeed's libaio op."""
     nvme = tmp_path / "nvme"
     run_gpt(tmp_path, "one", *SWAPPED, "--micro-batch-size", "4")
-    run_gpt(tmp_path, "nvme", *SWAPPED, "--strategy", "deepspeed_stage_3_offload", "--devices", "2",
-            "--micro-batch-size", "2", "--nvme-path", nvme)
+    run_gpt(tmp_path, "nvme", *SWAPPED, "--strategy", "deepspeed_stage_3_offload", *OFFLOAD, "--nvme-path", nvme)
     one, off = losses(tmp_path, "one"), losses(tmp_path, "nvme")
     assert off[0] == pytest.approx(one[0], abs=1e-5)
     assert off == pytest.approx(one, rel=2e-3) and off[-1] < off[0] - 0.3
