@@ -462,7 +462,7 @@ class Run:
         if fabric.is_global_zero:
             write_json_atomic(self.dir / "config.json", self.config())
             # Open TensorBoard's writer now: made lazily, at the first logged step, its import and file
-            # creation (40-140 ms) were counted as training time, 1-4% of the short LeNet-5 recipe.
+            # creation (about 40 ms on the Xeon) were counted as training time, 1% of the short LeNet-5 recipe.
             _ = self.logger.experiment
 
     def save(self, step: int) -> Path:
