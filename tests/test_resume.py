@@ -153,15 +153,22 @@ def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
 @pytest.mark.slow
 def test_resumed_on_another_process_count(mnist_dir, tmp_path):
     """LeNet's state is replicated and its global batches do not depend on the world size: a run cut on one
-    process continues on two and ends where the uninterrupted single-process run ends (float tolerance;
-    no augmentation, whose per-rank draws depend on the world size)."""
+    process continues on two from the same state and takes the same steps. Compared a few steps after the
+    resume, where only the order of the gradient reduction differs (one process against two): the end of a
+    long float32 trajectory amplifies that order into differences that depend on the CPU (2.6e-3 in test loss
+    after 350 steps on an AMD EPYC), which says nothing about the resume. No augmentation: its per-rank draws
+    depend on the world size."""
     args = [*ARGS, "--no-augment", "--precision", "32-true", "--data-dir", mnist_dir, "--out-dir", tmp_path]
-    run_in_process("fabric_lenet.py", *args, "--run-name", "whole")
+    run_in_process("fabric_lenet.py", *args, "--run-name", "whole", "--max-steps", "123")
     run_in_process("fabric_lenet.py", *args, "--run-name", "moved", "--max-steps", "120")
     proc = run_script("fabric_lenet.py", *args, "--run-name", "moved", "--resume", "auto", "--devices", "2",
-                      "--strategy", "ddp")
-    assert "resumed from" in proc.stdout
+                      "--strategy", "ddp", "--max-steps", "123")
+    assert "resumed from" in proc.stdout and "step-00000120" in proc.stdout
     moved, whole = read_summary(tmp_path / "moved"), read_summary(tmp_path / "whole")
-    assert moved["steps"] == whole["steps"] and moved["world_size"] == 2
-    assert moved["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-3)
-    assert abs(moved["test_acc"] - whole["test_acc"]) <= 0.002
+    assert moved["steps"] == whole["steps"] == 123 and moved["world_size"] == 2
+    # 3 AdamW steps from one state: reduction order moves the weights by ~1e-7 of their size; a wrong batch,
+    # learning rate or optimizer state moves them by ~1e-3 (lr 8e-3 per step)
+    wm, ww = final_weights(tmp_path / "moved"), final_weights(tmp_path / "whole")
+    for key in ww:
+        torch.testing.assert_close(wm[key], ww[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert moved["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
