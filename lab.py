@@ -9,6 +9,7 @@ an interrupted benchmark keeps its finished cases. Each stage's output goes to r
 """
 
 import argparse
+import csv
 import dataclasses
 import functools
 import json
@@ -22,7 +23,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from run_state import RECORD, Checkpoints, write_json_atomic
+from run_state import RECORD, Checkpoints, cuda_mismatch, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")  # relu is LeNet-5's default
@@ -48,6 +49,9 @@ def cuda_devices() -> int:
 
 def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
     gpus = cuda_devices()
+    unusable = cuda_mismatch()
+    if unusable:
+        print(f"warning: {unusable}; until then the lab is sized for the CPU", file=sys.stderr)
     accelerator = "cuda" if gpus else "cpu"
     cores = os.cpu_count() or 1
     stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte"))]
@@ -121,6 +125,8 @@ def lab(args) -> int:
         command = [a for a in stage.args if not (args.force and a == "--keep")]
         if has_checkpoint(runs, stage):
             command += ["--resume", "auto"]
+        elif stage.resumable_run and (runs / stage.resumable_run).exists():  # cut before its first checkpoint
+            shutil.rmtree(runs / stage.resumable_run)  # nothing to continue; a run name is never overwritten
         log = runs / LOGS / f"{stage.name}.log"
         print(f"{tag} started{' (continuing its run)' if '--resume' in command else ''}, log {log}", flush=True)
         t0 = time.time()
@@ -150,8 +156,28 @@ def forget(stage: Stage, runs: Path, result: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- gpu-check
+def visible_gpus(cuda_visible_devices: str | None, count: int) -> list:
+    """The GPUs CUDA shows this process, as NVML indices (int) or UUIDs (str, GPU-... or MIG-...), in CUDA's
+    order; like CUDA, the list ends at the first entry that names no device."""
+    if cuda_visible_devices is None:
+        return list(range(count))
+    visible = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.isdigit() and int(entry) < count:
+            visible.append(int(entry))
+        elif entry.startswith(("GPU-", "MIG-")):
+            visible.append(entry)
+        else:
+            break
+    return visible
+
+
+CSV_HEADER = ["time_s", "gpu", "util_pct", "mem_used_gib", "mem_total_gib", "label"]
+
+
 class NvmlSampler(threading.Thread):
-    """GPU utilization and memory of every visible GPU, sampled through NVML while the checks run."""
+    """Utilization and memory of the GPUs this process sees (CUDA_VISIBLE_DEVICES), sampled through NVML while
+    the checks run, into a CSV file (labels quoted). A MIG slice has no utilization counter: left empty."""
 
     def __init__(self, path: Path, every_s: float = 0.5):
         super().__init__(daemon=True)
@@ -159,18 +185,30 @@ class NvmlSampler(threading.Thread):
 
         pynvml.nvmlInit()
         self.nvml, self.path, self.every_s = pynvml, path, every_s
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        by = lambda g: (pynvml.nvmlDeviceGetHandleByIndex(g) if isinstance(g, int)  # noqa: E731
+                        else pynvml.nvmlDeviceGetHandleByUUID(g))
+        self.handles = [by(g) for g in visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), pynvml.nvmlDeviceGetCount())]
         self.done, self.t0 = threading.Event(), time.time()
         self.label = ""  # the check running now, written beside each sample
 
+    def sample(self, handle) -> tuple:
+        try:
+            util = self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except self.nvml.NVMLError:  # MIG slices (and some vGPUs) do not report it
+            util = ""
+        mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+        return util, f"{mem.used / 2**30:.3f}", f"{mem.total / 2**30:.3f}"
+
     def run(self) -> None:
-        with open(self.path, "w") as f:
-            f.write("time_s,gpu,util_pct,mem_used_gib,mem_total_gib,label\n")
+        with open(self.path, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(CSV_HEADER)
             while not self.done.wait(self.every_s):
                 for i, h in enumerate(self.handles):
-                    util, mem = self.nvml.nvmlDeviceGetUtilizationRates(h), self.nvml.nvmlDeviceGetMemoryInfo(h)
-                    f.write(f"{time.time() - self.t0:.2f},{i},{util.gpu},{mem.used / 2**30:.3f},{mem.total / 2**30:.3f},"
-                            f"{self.label}\n")
+                    try:
+                        out.writerow([f"{time.time() - self.t0:.2f}", i, *self.sample(h), self.label])
+                    except self.nvml.NVMLError as e:  # a sample lost is no reason to stop sampling
+                        out.writerow([f"{time.time() - self.t0:.2f}", i, "", "", "", f"{self.label} (NVML: {e})"])
                 f.flush()
 
     def stop(self) -> None:
@@ -236,6 +274,17 @@ def gpu_check(args) -> int:
         ratio = max(r["ratio"] for r in bench if r["impl"] == "gelu_cpp")
         return (all(r["gradcheck_float64"] for r in rows_) and worst < 1e-5,
                 f"max |dy| {worst:.1e} (float32), gradcheck float64 passed, time vs F.gelu up to {ratio:.2f}x")
+    if gpus >= 2:  # DataParallel's worker threads once ran bf16 autocast as float16; the record names what conv1 ran in
+        def dp_verdict():
+            r = record("lenet-dp-bf16")
+            return (r["test_acc"] >= 0.97 and r["compute_dtype"] == "torch.bfloat16",
+                    f"conv1 computed in {r['compute_dtype']}, test acc {100 * r['test_acc']:.2f}% after 1 epoch")
+        check("LeNet-5 dp bf16-mixed, 2 GPUs", ["fabric_lenet.py", "--epochs", "1", "--precision", "bf16-mixed",
+                                                "--strategy", "dp", "--devices", "2", "--accelerator", "cuda",
+                                                "--no-tb-images", "--out-dir", out, "--run-name", "lenet-dp-bf16"], dp_verdict)
+    else:
+        rows.append({"check": "LeNet-5 dp bf16-mixed", "verdict": "not run", "figure": "needs 2 GPUs", "seconds": 0})
+
     check("C++ GELU on CUDA tensors", ["-m", "gelu_ext", "check", "--device", "cuda", "--out", out / "gelu"], gelu_verdict,
           ["-m", "gelu_ext", "bench", "--device", "cuda", "--out", out / "gelu"])
 
@@ -256,6 +305,24 @@ def gpu_check(args) -> int:
               functools.partial(same_losses, f"gpt-{strategy}", "gpt-single", 1e-3))
     if gpus < 2:
         rows.append({"check": "GPT tiny, multi-GPU strategies", "verdict": "not run", "figure": "needs 2 GPUs", "seconds": 0})
+    # a one-rank mesh still builds and moves the model as the strategy does: tp and pp once never left the CPU
+    for strategy, flags in (("tp", ["--micro-batch-size", "4"]), ("pp", ["--micro-batch-size", "2", "--grad-accum", "2"])):
+        check(f"GPT tiny, {strategy} on 1 GPU", ["fabric_gpt.py", *TINY_EXACT, "--strategy", strategy, "--devices", "1",
+                                                *flags, "--out-dir", out, "--run-name", f"gpt-{strategy}-1"],
+              functools.partial(same_losses, f"gpt-{strategy}-1", "gpt-single", 1e-3))
+
+    # 16-mixed from a loss scale of 2^40: the first steps overflow and must be skipped while the run goes on
+    def overflow_verdict(run: str, steps: int):
+        r = record(run)
+        ok = r["steps"] == steps and 0 < r["skipped_steps"] < steps and r["final_loss"] == r["final_loss"]
+        return ok, f"{r['skipped_steps']} of {r['steps']} steps skipped, loss {r['first_loss']:.3f} .. {r['final_loss']:.3f}"
+    fp16 = ["fabric_gpt.py", "--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--precision", "16-mixed",
+            "--loss-scale-power", "40", "--accelerator", "cuda", "--micro-batch-size", "4", "--num-samples", "1200",
+            "--log-every", "50", "--out-dir", out]
+    check("GPT tiny 16-mixed, overflow, Fabric", [*fp16, "--run-name", "gpt-fp16"],
+          functools.partial(overflow_verdict, "gpt-fp16", 300))
+    check("GPT tiny 16-mixed, overflow, ZeRO-2", [*fp16, "--strategy", "deepspeed_stage_2", "--run-name", "gpt-fp16-ds"],
+          functools.partial(overflow_verdict, "gpt-fp16-ds", 300))
 
     # ZeRO-Infinity: optimizer states swapped to a folder through libaio (tensors of 1 MiB or more: a wider tiny model)
     # and stepped by DeepSpeed's CPU Adam, so the reference is AdamW on one GPU
@@ -266,19 +333,13 @@ def gpu_check(args) -> int:
           functools.partial(same_losses, "gpt-nvme", "gpt-adamw", 2e-3),
           [*tiny_adamw, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", out / "nvme", "--run-name", "gpt-nvme"])
 
-    def big_verdict():
-        r = record("gpt-1.6b")
-        mem = r["memory"]["max_allocated_gb"]
-        return (r["final_loss"] == r["final_loss"] and mem <= 1.25 * r["planned_gb"],
-                f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / "
-                f"{r['tflops_per_device_8n']:.1f} (8N), MFU {100 * (r['mfu'] or 0):.1f}% of {r['peak_flops'] / 1e12:.0f}, "
-                f"peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB")
     fits = torch.cuda.get_device_properties(0).total_memory / 2**30 >= 48  # AdamW on 1.56B: ~25 GiB of states + activations
     big = ["fabric_gpt.py", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda", "--micro-batch-size", "1",
            "--steps", "8", "--num-samples", "64", "--out-dir", out, "--run-name", "gpt-1.6b"]
     snapshot = threading.Timer(60, lambda: (out / "nvidia-smi.txt").write_text(nvidia_smi()))
     snapshot.start()  # one nvidia-smi table while the large model trains
-    check("GPT-2 1.6B, 1 GPU, bf16-mixed", big + ([] if fits else ["--grad-checkpointing"]), big_verdict)
+    check("GPT-2 1.6B, 1 GPU, bf16-mixed", big + ([] if fits else ["--grad-checkpointing"]),
+          lambda: big_model_verdict(record("gpt-1.6b")))
     snapshot.cancel()
     if not (out / "nvidia-smi.txt").exists():
         (out / "nvidia-smi.txt").write_text(nvidia_smi())
@@ -293,6 +354,18 @@ def gpu_check(args) -> int:
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines) + f"\nwrote {out}/table.md, gpu-check.json, nvml.csv")
     return 0 if all(r["verdict"] != "FAIL" for r in rows) else 1
+
+
+def big_model_verdict(r: dict) -> tuple[bool, str]:
+    """The large run trained (finite loss) within its memory plan; its speed, with MFU where the GPU's peak is known."""
+    mem = r["memory"]["max_allocated_gb"]
+    mfu = (f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOPS" if r["mfu"] is not None
+           else f"MFU unknown ({r['peak_flops_source']})")
+    setup = r.get("memory_setup", {}).get("max_allocated_gb")
+    return (r["final_loss"] == r["final_loss"] and mem <= 1.25 * r["planned_gb"],
+            f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / {r['tflops_per_device_8n']:.1f} "
+            f"(8N), {mfu}, training peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB"
+            + (f" (set-up peak {setup:.1f})" if setup is not None else ""))
 
 
 def nvidia_smi() -> str:

@@ -15,6 +15,7 @@ import platform
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,18 +76,42 @@ def check_choices(cfg) -> None:
                               f"{', '.join(map(str, allowed))}")
 
 
-def check_hardware(accelerator: str, devices: int, precision: str) -> bool:
-    """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs."""
+def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: bool = False) -> bool:
+    """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs.
+    fp16_on_cpu: the caller runs 16-mixed on a CPU too (float16 autocast and a GradScaler: slow, for checks)."""
     gpu = uses_gpu(accelerator)
+    unusable = cuda_mismatch()
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError("--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
+        raise ConfigError(unusable or "--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
+    if unusable:  # --accelerator auto: runs on the CPU, but never without saying why
+        print(f"warning: {unusable}; running on the CPU", file=sys.stderr)
     if gpu and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices}: only {torch.cuda.device_count()} GPU(s) visible")
     if not gpu and devices > (os.cpu_count() or 1):
         raise ConfigError(f"--devices {devices}: this machine has {os.cpu_count()} CPU cores; use at most that many processes")
-    if precision == "16-mixed" and not gpu:
+    if precision == "16-mixed" and not gpu and not fp16_on_cpu:
         raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
     return gpu
+
+
+def cuda_mismatch() -> str | None:
+    """When nvidia-smi sees GPUs that torch cannot use (most often a torch build for a newer CUDA than the
+    driver runs: CUDA 13 builds need driver 580+), the one line that says so and how to mend it."""
+    if torch.cuda.is_available() or not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") >= 1]
+    if not gpus:
+        return None
+    name, driver = gpus[0][:2]
+    built = f"for CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+    return (f"nvidia-smi sees {len(gpus)} GPU(s) ({name}, driver {driver}) but torch {torch.__version__} (built {built}) "
+            f"cannot use them: install a torch build this driver runs, e.g. `rm -rf .venv && make setup "
+            f"TORCH_INDEX=https://download.pytorch.org/whl/cu126` (CUDA 12.6 runs on drivers 525 and newer)")
 
 
 def uses_gpu(accelerator: str) -> bool:
@@ -430,7 +455,8 @@ class Run:
         self.runtime_fields, self.added_fields = runtime_fields, added_fields
         self.check_config = check_config or (lambda saved: None)
         # A default name holds the start time: rank 0's is broadcast so all ranks write to one folder.
-        cfg.run_name = fabric.broadcast(cfg.run_name or f"{kind}-{default_name(cfg)}-{datetime.now():%Y%m%d-%H%M%S}")
+        cfg.run_name = fabric.broadcast(cfg.run_name or unused_name(cfg.out_dir, f"{kind}-{default_name(cfg)}-"
+                                                                                 f"{datetime.now():%Y%m%d-%H%M%S}"))
         self.dir = Path(cfg.out_dir) / cfg.run_name
         self.logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
         self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints)
@@ -485,8 +511,24 @@ class Run:
         return record
 
 
+def unused_name(out_dir, name: str) -> str:
+    """`name`, or `name-2`, `name-3`, ... when runs started in the same second already took it."""
+    taken = lambda n: (Path(out_dir) / n).exists()  # noqa: E731
+    return name if not taken(name) else next(f"{name}-{i}" for i in range(2, 10**6) if not taken(f"{name}-{i}"))
+
+
 def default_name(cfg) -> str:
     return getattr(cfg, "activation", None) or f"{cfg.model}-{cfg.strategy}"
+
+
+def refuse_existing_run(cfg) -> None:
+    """A new run never writes into an earlier run's folder (its record, checkpoints and TensorBoard events
+    would be mixed with or replace the earlier ones). Every rank checks before any rank starts writing:
+    the launcher's rendezvous comes after this check."""
+    folder = Path(cfg.out_dir) / cfg.run_name
+    if cfg.run_name and folder.is_dir() and any(folder.iterdir()):
+        raise ConfigError(f"run {folder} exists; a new run does not overwrite it. Fix: continue it with --resume auto "
+                          f"--run-name {cfg.run_name}, or start a new run with another --run-name (or remove the folder)")
 
 
 def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
@@ -499,6 +541,8 @@ def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
         validate(cfg)
         if cfg.resume and not cfg.run_name:
             cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
+        if not cfg.resume and not getattr(cfg, "plan", False):
+            refuse_existing_run(cfg)
         return run(cfg)
     except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
         sys.exit(f"error: {e}")
