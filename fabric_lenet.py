@@ -10,10 +10,15 @@ Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json an
 
 import ctypes
 import dataclasses
+import fcntl
+import json
 import math
+import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -26,8 +31,10 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 import datasets_local
 from gelu_ext import GeluBuildError
-from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, check_choices, check_hardware,
-                       cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main)
+from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_choices,
+                       check_hardware,
+                       cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main, uses_gpu,
+                       write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -41,9 +48,8 @@ class Config:
     devices: int = opt(1, "devices (processes) per node")
     num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
     strategy: str = opt("auto", "ddp: one process per device; dp: one process, several GPUs", STRATEGIES)
-    precision: str = opt("auto", "auto: bf16-mixed on GPUs (16-mixed without bf16) and on CPUs with AMX, else "
-                         "32-true (bf16 autocast was 1.4-1.5x faster than float32 with AMX, slower without: 1.2x with "
-                         "AVX-512 BF16, 2.2x with AVX-512, 8.7x with AVX2)", PRECISIONS)
+    precision: str = opt("auto", "auto: bf16-mixed on GPUs (16-mixed without bf16); on CPUs the faster of 32-true "
+                         "and bf16-mixed, timed once per machine and settings (cached in --cache-dir)", PRECISIONS)
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many, the extra ones held at "
@@ -82,13 +88,14 @@ class Config:
     checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)")
     keep_last: int = opt(3, "checkpoints kept")
     resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder")
+    cache_dir: str = opt("~/.cache/fabric-lab", "where --precision auto keeps its timings per machine")
     tb_images: bool = opt(True, "confusion matrix, misclassified digits, feature maps, histograms in TensorBoard")
 
 
 # Settings that may change on resume: they change how the run executes, not what it computes.
 RUNTIME_FIELDS = {"channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data",
                   "num_workers", "data_dir", "mirror", "out_dir", "run_name", "log_every", "eval_every",
-                  "checkpoint_every", "keep_last", "resume", "tb_images", "max_steps"}
+                  "checkpoint_every", "keep_last", "resume", "tb_images", "max_steps", "cache_dir"}
 # Settings added after runs were saved without them, with the value those runs behaved as (resume compares it).
 ADDED_FIELDS = {"label_smoothing": 0.0}
 
@@ -139,7 +146,12 @@ class LeNet5(nn.Module):
             nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), nn.Linear(120, 84), act(), nn.Linear(84, 10),
         )
 
+    autocast_dtype: torch.dtype | None = None  # set for --strategy dp under bf16-mixed, see run()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is not None:  # entered again here, in whichever thread runs this replica
+            with torch.autocast(x.device.type, dtype=self.autocast_dtype):
+                return self.classifier(self.features(x))
         return self.classifier(self.features(x))
 
 
@@ -445,23 +457,117 @@ def validate(cfg: Config) -> None:
         from gelu_ext import load_cpp
 
         load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
+    if cfg.precision == "auto":  # resolved here, so config.json and resume compare the precision that ran
+        cfg.precision = auto_precision(cfg)
 
 
-def auto_precision(accelerator: str) -> str:
-    """The precision --precision auto stands for on this machine (README: the step in each precision per CPU)."""
-    if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
+# ----------------------------------------------------------------------------- --precision auto
+# On a GPU bf16 autocast (fp16 without bf16) is the fast choice. On a CPU no rule holds: bf16 autocast was
+# 1.4x faster than float32 on a Xeon with AMX, 1.3x on an EPYC with AVX-512 BF16 and far slower without
+# either (docs/lenet.md). So the CPU times LeNet-5's own step in both, once per machine and settings.
+PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, inherited by the ranks it starts
+PRECISION_PROBE: dict | None = None  # this process's probe result (or cache hit), for the run's record
+
+
+def probe_key(cfg: Config) -> dict:
+    """What the step's speed depends on: the CPU, the libraries, the threads a rank gets, the local batch
+    and the memory layout. A change of any of them measures again."""
+    world = cfg.devices * cfg.num_nodes
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (max(1, (os.cpu_count() or 1) // cfg.devices)
+                                                            if cfg.devices > 1 else torch.get_num_threads())
+    return {"cpu": cpu_name(), "units": cpu_units(), "torch": torch.__version__, "threads": threads,
+            "local_batch": cfg.batch_size // world, "channels_last": cfg.channels_last,
+            "pad_channels": cfg.pad_channels, "activation": cfg.activation}
+
+
+def measure_step_speed(cfg: Config, key: dict, windows: int = 5, steps: int = 2) -> dict:
+    """Samples/s of LeNet-5's training step (forward, loss, backward, fused AdamW) in float32 and under
+    bf16 autocast, on random images of the run's shape: the median of alternating windows, after warm-up
+    steps that include oneDNN's kernel set-up. About 0.5 s on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(key["threads"])
+    try:
+        torch.manual_seed(0)
+        n = key["local_batch"]
+        x = torch.randn(n, 1, 28, 28)
+        x = x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
+        y = torch.randint(0, 10, (n,))
+        models = {p: LeNet5(cfg) for p in ("32-true", "bf16-mixed")}
+        if cfg.channels_last:
+            models = {p: m.to(memory_format=torch.channels_last) for p, m in models.items()}
+        optimizers = {p: torch.optim.AdamW(m.parameters(), fused=True) for p, m in models.items()}
+
+        def step(precision: str) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                loss = F.cross_entropy(models[precision](x), y)
+            loss.backward()
+            optimizers[precision].step()
+            optimizers[precision].zero_grad(set_to_none=True)
+
+        times = {p: [] for p in models}
+        for p in models:
+            for _ in range(3):
+                step(p)
+        for _ in range(windows):
+            for p in models:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(p)
+                times[p].append((time.perf_counter() - t0) / steps)
+        return {p: n / statistics.median(t) for p, t in times.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_precision(key: dict, cache_file: Path, measure) -> dict:
+    """The faster of float32 and bf16 autocast for `key`: from the cache when it holds this key, else
+    measured (measure() -> {precision: samples/s}) and added to it. A file lock makes ranks started
+    together (torchrun) measure once and read the same answer."""
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    name = json.dumps(key, sort_keys=True)
+    with open(cache_file.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: measure
+            cache = {}
+        if name in cache:
+            return {**cache[name], "cached": True}
+        speeds = measure()
+        entry = {"choice": max(speeds, key=speeds.get), "samples_per_s": speeds, "key": key,
+                 "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+        write_json_atomic(cache_file, {**cache, name: entry})
+    return {**entry, "cached": False}
+
+
+def auto_precision(cfg: Config) -> str:
+    """The precision --precision auto stands for here; on a CPU, decided by choose_precision."""
+    global PRECISION_PROBE
+    if uses_gpu(cfg.accelerator):
         return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"
-    return "bf16-mixed" if accelerator in ("cpu", "auto") and "AMX-BF16" in cpu_units() else "32-true"
+    if os.environ.get("LOCAL_RANK", "0") != "0" and os.environ.get(PROBE_ENV) in PRECISIONS:
+        return os.environ[PROBE_ENV]  # a rank started by Fabric's launcher, which decided before starting it
+    key = probe_key(cfg)
+    PRECISION_PROBE = choose_precision(key, Path(cfg.cache_dir).expanduser() / "precision-probe.json",
+                                       lambda: measure_step_speed(cfg, key))
+    os.environ[PROBE_ENV] = PRECISION_PROBE["choice"]
+    return PRECISION_PROBE["choice"]
+
+
+def probe_line(probe: dict) -> str:
+    s = probe["samples_per_s"]
+    return (f"precision auto: {probe['choice']} (LeNet-5 step at batch {probe['key']['local_batch']}, "
+            f"{probe['key']['threads']} thread(s): bf16 autocast {s['bf16-mixed']:,.0f} samples/s, float32 "
+            f"{s['32-true']:,.0f}; {'cached ' + probe['date'] if probe['cached'] else 'measured now'})")
 
 
 def parse_args(argv=None) -> Config:
-    cfg = parse_config(Config, argv, __doc__)
-    if cfg.precision == "auto":  # resolved here, so config.json and resume compare the precision that ran
-        cfg.precision = auto_precision(cfg.accelerator)
-    return cfg
+    return parse_config(Config, argv, __doc__)
 
 
 def main(argv=None) -> dict:
+    global PRECISION_PROBE
+    PRECISION_PROBE = None  # filled by --precision auto in validate()
     return run_main(parse_args(argv), "lenet", validate, run, errors=(GeluBuildError, datasets_local.MNISTError))
 
 
@@ -485,10 +591,25 @@ def run(cfg: Config) -> dict:
     fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy,
                     precision=cfg.precision)
     fabric.launch()
+    (differ,) = any_rank(fabric, fabric.broadcast(cfg.precision) != cfg.precision)
+    if differ:  # ranks on different CPUs, each with its own probe: they must compute in one precision
+        raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); "
+                          "pass --precision 32-true or bf16-mixed explicitly")
+    if PRECISION_PROBE:
+        fabric.print(probe_line(PRECISION_PROBE))
     fabric.seed_everything(cfg.seed)
     with fabric.rank_zero_first():  # rank 0 downloads; the others then read the verified files
         train_set, test_set = load_data(cfg)
     model = LeNet5(cfg)
+    if cfg.strategy == "dp" and cfg.precision == "bf16-mixed":
+        # DataParallel's worker threads re-enter autocast without its dtype, so the replicas would compute in
+        # the thread's default, float16 on CUDA, with no loss scaler: the model names its dtype itself
+        model.autocast_dtype = torch.bfloat16
+    compute = {}  # the dtype conv1 computed in at the first step: what the record says must be what ran
+
+    def note_dtype(module, args, out) -> None:
+        compute.setdefault("dtype", str(out.dtype))
+    model.features[0].register_forward_hook(note_dtype)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
@@ -511,7 +632,9 @@ def run(cfg: Config) -> dict:
                "train_time_s": progress.train_time_s,
                "samples_per_s": samples_trained(progress, len(train_set), cfg, fabric.world_size)
                / max(progress.train_time_s, 1e-9),
-               "world_size": fabric.world_size, "device": str(fabric.device), "history": progress.history,
+               "world_size": fabric.world_size, "device": str(fabric.device), "precision_probe": PRECISION_PROBE,
+               "compute_dtype": compute.get("dtype"),
+               "history": progress.history,
                "epoch_history": [h for h in progress.history if not h.get("partial")]}
     summary = run.finish(summary, {"hparams/test_acc": result["test_acc"], "hparams/test_loss": result["test_loss"]})
     print_summary(fabric, summary)
