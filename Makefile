@@ -29,11 +29,13 @@ help: ## list the targets
 	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
 	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags' | FORCE=1 STAGES=a,b (lab)"
 
-# The virtual environment is rebuilt only when requirements.txt changes.
+# The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
+# build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
 SETUP := $(VENV)/.installed $(VENV)/.libaio
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch torchvision)
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 

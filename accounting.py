@@ -18,12 +18,19 @@ PEAK_FLOPS = {
     "h100 nvl": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
     "h200 sxm": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "h200 nvl": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+    "l40s": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
 }
+# Export variants with the same tensor cores (their interconnect differs, not their FLOP/s)
+SAME_CHIP = {"a800": "a100", "h800": "h100"}
 
 
 def gpu_chip(name: str) -> str | None:
     """The PEAK_FLOPS row of a CUDA device name, or None when it is not listed."""
     name = name.lower()
+    for variant, chip in SAME_CHIP.items():
+        name = name.replace(variant, chip)
+    if "l40s" in name:
+        return "l40s"
     for family in ("h200", "h100"):
         if family in name:
             if "nvl" in name:
@@ -67,6 +74,12 @@ def flops_per_token(cfg, n_params: int) -> dict:
     Course formula: 8N, i.e. 6N plus a second forward (2N) as activation recomputation costs."""
     attention = 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.seq_len
     return {"standard": 6 * n_params + attention, "course_8n": 8 * n_params}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak on a GPU; a process's peak resident memory (CPU) cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory(device: torch.device) -> dict:

@@ -133,6 +133,9 @@ def bench_gpt(args) -> None:
         shared = strategy in ("tp", "pp")
         micro = global_batch // (devices if strategy == "pp" else 1 if shared else devices)
         accum = ["--grad-accum", devices] if strategy == "pp" else []
+        if strategy == "auto" and args.accelerator == "cuda":  # one GPU takes the whole global batch in steps it fits
+            micro = single_device_micro_batch(args.model, precision, global_batch, device_memory_bytes())
+            accum = ["--grad-accum", global_batch // micro]
         run_name = f"{strategy}-{precision}"
         flags = ["--model", args.model, "--strategy", strategy, "--precision", precision, "--devices", devices,
                  "--accelerator", args.accelerator, "--micro-batch-size", micro, *accum, "--num-samples",
@@ -145,6 +148,28 @@ def bench_gpt(args) -> None:
         rows.append({"strategy": strategy, "precision": precision, "devices": devices, "record": record,
                      "error": None if code == 0 else last})
     write_table(out, args, rows)
+
+
+def single_device_micro_batch(model: str, precision: str, global_batch: int, memory_bytes: float) -> int:
+    """The largest micro-batch that divides the global batch and whose memory plan fits one device (with
+    the plan's 10% margin), so that the single-device baseline trains the sweep's global batch by
+    accumulation instead of dying out of memory (1 when even that does not fit: the run says so)."""
+    import accounting
+    import fabric_gpt
+
+    for micro in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0), reverse=True):
+        cfg = fabric_gpt.resolve(fabric_gpt.Config(model=model, precision=precision, micro_batch_size=micro,
+                                                   grad_accum=global_batch // micro))
+        n_params, attn = fabric_gpt.count_parameters(cfg)
+        if accounting.memory_plan(cfg, n_params, attn)["total"] < 0.9 * memory_bytes:
+            return micro
+    return 1
+
+
+def device_memory_bytes() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def write_table(out: Path, args, rows: list) -> None:

@@ -76,6 +76,8 @@ class Config:
     pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b",
                            ("1f1b", "gpipe"))
     precision: str = opt("32-true", "Fabric precision", PRECISIONS)
+    loss_scale_power: int = opt(16, "16-mixed: initial loss scale 2^N (DeepSpeed's initial_scale_power); a step whose "
+                                "gradients overflow is skipped and the scale halved")
     nvme_path: str = opt("", "with deepspeed_stage_3_offload: offload to NVMe at this path instead of CPU RAM")
     grad_checkpointing: bool = opt(False, "recompute activations in backward: less memory, ~1/3 more compute")
     compile: bool = opt(False, "torch.compile the model")
@@ -93,7 +95,7 @@ class Config:
                               "GPT-2 state dict, whatever the strategy")
 
 
-RUNTIME_FIELDS = {"compile", "timing_warmup", "log_every", "plan", "device_memory_gb", "out_dir", "run_name",
+RUNTIME_FIELDS = {"loss_scale_power", "compile", "timing_warmup", "log_every", "plan", "device_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export"}
 
 
@@ -176,8 +178,9 @@ def make_optimizer(cfg: Config, model, device: torch.device):
 
         return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=(0.9, 0.95), adamw_mode=True)
     mixed_tensors = cfg.strategy in ("tp", "fsdp_tp")  # DTensor and plain parameters cannot share one foreach kernel
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda" and not mixed_tensors,
-                             foreach=False if mixed_tensors else None)
+    # fused AdamW unscales inside its kernel, and Fabric then refuses to unscale for clipping under 16-mixed
+    fused = device.type == "cuda" and not mixed_tensors and cfg.precision != "16-mixed"
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused, foreach=False if mixed_tensors else None)
 
 
 def lr_at(step: int, cfg: Config, total_steps: int) -> float:
@@ -189,8 +192,9 @@ def lr_at(step: int, cfg: Config, total_steps: int) -> float:
 
 
 # ----------------------------------------------------------------------------- one optimizer step
-def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, float]:
-    """DDP, FSDP2, TP and single process: accumulate, then clip and step. Returns (mean loss, grad norm)."""
+def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, float, bool]:
+    """DDP, FSDP2, TP and single process: accumulate, then clip and step. Returns (mean loss, grad norm,
+    skipped): under 16-mixed the loss scaler skips a step whose gradients overflowed and halves the scale."""
     fabric, cfg = run.fabric, run.cfg
     loss_sum = torch.zeros((), device=fabric.device)
     for i, tokens in enumerate(micro_batches):
@@ -199,33 +203,45 @@ def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch
             loss = model(input_ids=tokens, labels=tokens).loss
             fabric.backward(loss / len(micro_batches))
         loss_sum += loss.detach()
+    scaler = loss_scaler(fabric)
+    scale = scaler.get_scale() if scaler else None
     if cfg.grad_clip and cfg.strategy in ("auto", "ddp"):
-        norm = float(fabric.clip_gradients(model, optimizer, max_norm=cfg.grad_clip))  # unscales under 16-mixed
+        # unscales under 16-mixed; an overflow's infinite norm is the scaler's to handle, not an error
+        norm = float(fabric.clip_gradients(model, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=scaler is None))
     elif cfg.grad_clip:
         norm = strategies.clip_grad_norm(model, cfg, fabric, cfg.grad_clip)
     else:
+        if scaler:  # the optimizer Fabric steps, not its wrapper: the scaler tracks optimizers by identity
+            fabric.strategy.precision.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
         norm = strategies.grad_norm(model, cfg, fabric)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum / len(micro_batches), norm
+    return loss_sum / len(micro_batches), norm, bool(scaler and scaler.get_scale() < scale)
 
 
-def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, float]:
+def loss_scaler(fabric):
+    """The GradScaler of 16-mixed (None in other precisions)."""
+    return getattr(fabric.strategy.precision, "scaler", None)
+
+
+def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, float, bool]:
     """The DeepSpeed engine counts micro-batches (gradient_accumulation_steps), scales the loss, clips and
-    steps the ZeRO optimizer only at the boundary. Fabric's optimizer.step() would call the ZeRO optimizer
-    directly, every micro-batch; its no_backward_sync does not apply."""
-    fabric = run.fabric
+    steps the ZeRO optimizer only at the boundary, where its fp16 loss scaler may skip an overflowed step.
+    Fabric's optimizer.step() would call the ZeRO optimizer directly, every micro-batch; its
+    no_backward_sync does not apply."""
+    fabric, engine = run.fabric, run.fabric.strategy.model
     loss_sum = torch.zeros((), device=fabric.device)
+    skipped_before = engine.skipped_steps
     for tokens in micro_batches:
         loss = model(input_ids=tokens, labels=tokens).loss
         fabric.backward(loss)
-        fabric.strategy.model.step()
+        engine.step()
         loss_sum += loss.detach()
-    norm = fabric.strategy.model.get_global_grad_norm()
-    return loss_sum / len(micro_batches), float(norm) if norm is not None else math.nan
+    norm = engine.get_global_grad_norm()
+    return loss_sum / len(micro_batches), float(norm) if norm is not None else math.nan, engine.skipped_steps > skipped_before
 
 
-def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[torch.Tensor, float]:
+def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[torch.Tensor, float, bool]:
     """One pipeline step: the schedule runs every micro-batch through the stages (GPipe or 1F1B) and
     backward; then tied and data-parallel gradients are combined, clipped and stepped."""
     fabric, cfg = run.fabric, run.cfg
@@ -249,7 +265,7 @@ def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[
     optimizer.zero_grad(set_to_none=True)
     # only the last stage has the loss; the others contribute 0 to the sum taken for logging
     loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=fabric.device)
-    return loss, norm
+    return loss, norm, False  # 16-mixed is refused under pp: no loss scaler
 
 
 # ----------------------------------------------------------------------------- training
@@ -266,7 +282,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
         micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
         sync(fabric.device)
         t0 = time.perf_counter()
-        loss, norm = take_step(run, model, optimizer, micro_batches)
+        loss, norm, skipped = take_step(run, model, optimizer, micro_batches)
         sync(fabric.device)
         step_time = time.perf_counter() - t0
         progress.step += 1
@@ -275,9 +291,11 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
         if steps_here > cfg.timing_warmup:  # this process's own first steps are the cold ones
             timed_time, timed_steps = timed_time + step_time, timed_steps + 1
         step = progress.step
-        # Every step, before any save: a NaN state must never be checkpointed as "good".
+        progress.skipped_steps += skipped
+        # Every step, before any save: a NaN state must never be checkpointed as "good". An infinite gradient
+        # norm in a step the loss scaler skipped is the overflow it exists to absorb.
         local = float(loss)
-        stopping, nonfinite = run.stop.requested(fabric, not math.isfinite(local) or not math.isfinite(norm))
+        stopping, nonfinite = run.stop.requested(fabric, not math.isfinite(local) or not (math.isfinite(norm) or skipped))
         if nonfinite:
             raise NonFiniteLoss(nonfinite_message(local if not math.isfinite(local) else math.nan, step,
                                                   f"of {total_steps}", run.last_checkpoint, cfg.precision))
@@ -285,7 +303,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             loss_value = mean_loss(fabric, cfg, loss)
             progress.losses.append([step, loss_value])
             progress.grad_norms.append([step, norm])
-            log_step(run, step, total_steps, loss_value, norm, step_time, tokens_per_step, flops)
+            log_step(run, step, total_steps, loss_value, norm, step_time, tokens_per_step, flops, skipped)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping or step == stop_at:
             run.save(step)
         if stopping:
@@ -307,14 +325,15 @@ def sync(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- output
-def log_step(run: Run, step, total_steps, loss, norm, step_time, tokens_per_step, flops) -> None:
+def log_step(run: Run, step, total_steps, loss, norm, step_time, tokens_per_step, flops, skipped=False) -> None:
     fabric, cfg = run.fabric, run.cfg
     tokens_s = tokens_per_step / step_time
     metrics = {"train/loss": loss, "train/grad_norm": norm, "perf/step_time_s": step_time, "perf/tokens_per_s": tokens_s,
                "perf/tflops_per_device": flops["standard"] * tokens_s / fabric.world_size / 1e12}
     run.logger.log_metrics(metrics, step=step)
     fabric.print(f"step {step:>4}/{total_steps} | loss {loss:.4f} | grad norm {norm:.3f} | {1e3 * step_time:8.1f} ms | "
-                 f"{tokens_s:,.0f} tok/s | {metrics['perf/tflops_per_device']:.3f} TFLOPS/device")
+                 f"{tokens_s:,.0f} tok/s | {metrics['perf/tflops_per_device']:.3f} TFLOPS/device"
+                 + (" | skipped: gradients overflowed the fp16 loss scale, which is now halved" if skipped else ""))
 
 
 def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: dict, plan: dict, progress: Progress,
@@ -341,7 +360,7 @@ def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: d
         "memory": memory, "planned_gb": plan["total"] / 2**30,
         "first_loss": progress.losses[0][1] if progress.losses else None,
         "final_loss": progress.losses[-1][1] if progress.losses else None,
-        "losses": progress.losses, "grad_norms": progress.grad_norms,
+        "losses": progress.losses, "grad_norms": progress.grad_norms, "skipped_steps": progress.skipped_steps,
         "plan_gb": {k: plan[k] / 2**30 for k in ("params", "grads", "optimizer", "master", "ddp_buckets",
                                                  "gathered_layer", "activations", "total")},
     }
@@ -349,6 +368,7 @@ def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: d
 
 def print_summary(fabric: Fabric, r: dict) -> None:
     mem = ", ".join(f"{k} {v:.2f}" for k, v in r["memory"].items())
+    setup = ", ".join(f"{k} {v:.2f}" for k, v in r.get("memory_setup", {}).items())
     mfu = f"{100 * r['mfu']:.2f}% of {r['peak_flops'] / 1e12:.2f} TFLOPS ({r['peak_flops_source']})" if r["mfu"] is not None \
         else f"unknown ({r['peak_flops_source']})"
     fabric.print(f"\n{'model':<22}{r['model']} ({r['n_params'] / 1e6:,.2f}M parameters)\n"
@@ -359,7 +379,7 @@ def print_summary(fabric: Fabric, r: dict) -> None:
                  f"{'throughput':<22}{r['tokens_per_s']:,.0f} tokens/s, {r['samples_per_s']:,.2f} samples/s\n"
                  f"{'TFLOPS per device':<22}{r['tflops_per_device']:.3f} (6N+attention), {r['tflops_per_device_8n']:.3f} (course, 8N)\n"
                  f"{'MFU':<22}{mfu}\n"
-                 f"{'peak memory (GiB)':<22}{mem}; planned {r['planned_gb']:.3g}\n"
+                 f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
                  f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}")
 
 
@@ -420,7 +440,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan:
         return
-    on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
+    # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
+    on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not is_deepspeed(cfg.strategy))
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
     if cfg.precision == "16-mixed" and cfg.strategy in strategies.MODEL_PARALLEL:
@@ -470,7 +491,7 @@ def main(argv=None):
     cfg = resolve(parse_args(argv))
     if cfg.plan:
         return run_main(cfg, "gpt", validate, plan_only)
-    return run_main(cfg, "gpt", validate, run)
+    return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,))
 
 
 def plan_only(cfg: Config) -> dict:
@@ -480,9 +501,23 @@ def plan_only(cfg: Config) -> dict:
     return plan
 
 
+def fabric_precision(cfg: Config, on_gpu: bool) -> dict:
+    """Fabric's precision arguments: 16-mixed as Fabric's own plugin with a GradScaler starting at
+    2^--loss-scale-power (on CPU too, where Fabric would turn the name into bf16); other precisions, and
+    DeepSpeed's own fp16 (configured in strategies.deepspeed_config), by name."""
+    if cfg.precision != "16-mixed" or is_deepspeed(cfg.strategy):
+        return {"precision": cfg.precision}
+    from lightning.fabric.plugins import MixedPrecision
+
+    device = "cuda" if on_gpu else "cpu"
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** cfg.loss_scale_power)
+    return {"plugins": [MixedPrecision("16-mixed", device, scaler=scaler)]}
+
+
 def run(cfg: Config) -> dict:
+    on_gpu = uses_gpu(cfg.accelerator)
     fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-                    strategy=strategies.make_strategy(cfg, uses_gpu(cfg.accelerator)), precision=cfg.precision)
+                    strategy=strategies.make_strategy(cfg, on_gpu), **fabric_precision(cfg, on_gpu))
     fabric.launch()
     n_params, attn = count_parameters(cfg)
     flops = accounting.flops_per_token(cfg, n_params)
@@ -496,6 +531,12 @@ def run(cfg: Config) -> dict:
         optimizer = fabric.setup_optimizers(make_optimizer(cfg, model, fabric.device))
     else:
         model, optimizer = fabric.setup(model, make_optimizer(cfg, model, fabric.device))  # DeepSpeed: one engine
+    if not is_deepspeed(cfg.strategy):  # DeepSpeed keeps offloaded partitions on the CPU by design
+        strategies.check_placement(strategies.local_module(model, cfg.strategy), fabric.device)
+    # Set-up has its own peak (DeepSpeed first moves the whole fp32 model to each GPU, then partitions it):
+    # kept apart, so that the training peak is what the plan predicts
+    setup_peak = accounting.peak_memory(fabric.device)
+    accounting.reset_peak_memory(fabric.device)
     micro = cfg.micro_batch_size
     loader = fabric.setup_dataloaders(DataLoader(make_dataset(cfg), batch_size=micro, shuffle=False))
     # The schedule spans all of num_samples; --steps only ends the run early (it can be resumed further).
@@ -509,7 +550,7 @@ def run(cfg: Config) -> dict:
                                                      fabric.strategy.device_mesh, cfg.pp_schedule, cfg.grad_accum)
         take_step = lambda r, m, o, b: step_pipeline(r, m, o, b, schedule)  # noqa: E731
 
-    progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0)
+    progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0, skipped_steps=0)
     # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state_dict is the whole model's)
     state = {"model": strategies.local_module(model, cfg.strategy) if cfg.strategy == "pp" else model,
              "optimizer": optimizer, "progress": progress}
@@ -522,6 +563,8 @@ def run(cfg: Config) -> dict:
     with StopRequest() as run.stop:
         result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step)
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress, peak)
+    record["memory_setup"] = {k: float(fabric.all_reduce(torch.tensor(v, device=fabric.device), reduce_op="max"))
+                              for k, v in setup_peak.items()}
     record["held_bytes"] = {k: float(fabric.all_reduce(torch.tensor(float(v), device=fabric.device), reduce_op="max"))
                             for k, v in accounting.held_bytes(strategies.local_module(model, cfg.strategy), optimizer).items()}
     if cfg.export:

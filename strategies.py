@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import functools
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -67,6 +68,9 @@ def deepspeed_config(cfg) -> dict:
     config = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
               "gradient_clipping": cfg.grad_clip, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if cfg.precision == "16-mixed":  # DeepSpeed's own loss scaler: an overflowed step is skipped, the scale halved
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": cfg.loss_scale_power,
+                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     if cfg.nvme_path:
         config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     return config
@@ -87,6 +91,14 @@ def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
         ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the op needs libaio.so.1: once loaded, found by name
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed's first import, as below
+    else:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        problem = cuda_toolkit_problem(CUDA_HOME)
+        if problem:
+            raise ConfigError(problem)
+        if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # seen on an H100 image: "9.0a" stopped the op's build
+            os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible():
@@ -98,6 +110,24 @@ def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
             raise PermissionError(f"cannot write into {path}")
     except OSError as e:
         raise ConfigError(f"--nvme-path {path}: {e}; give a writable folder on a fast local disk") from None
+
+
+def deepspeed_arch_list(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19's JIT builder can read it: it parses each entry as digits
+    (int("0a") raises), so the architecture-specific suffixes of Hopper and Blackwell ("9.0a", "10.0f")
+    are dropped: the op then builds for the plain architecture, which runs on those chips."""
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch_list)
+
+
+def cuda_toolkit_problem(cuda_home: str | None) -> str | None:
+    """On a GPU, DeepSpeed compiles its async I/O op against the CUDA toolkit (its headers and libcudart);
+    pip's torch wheels bring the runtime but not the toolkit. Returns what is missing, or None."""
+    if cuda_home and (Path(cuda_home) / "include" / "cuda_runtime.h").exists():
+        return None
+    found = f"CUDA_HOME is {cuda_home}, which has no include/cuda_runtime.h" if cuda_home else "no CUDA_HOME or nvcc found"
+    return (f"--nvme-path on a GPU: DeepSpeed compiles its async I/O op against the CUDA toolkit and {found}. Install "
+            f"the toolkit for torch's CUDA {torch.version.cuda} (e.g. apt install cuda-toolkit, or conda install -c "
+            "nvidia cuda-toolkit) and set CUDA_HOME to it; or offload to CPU memory (no --nvme-path)")
 
 
 def cpu_deepspeed_strategy(config: dict):
@@ -152,14 +182,44 @@ def make_strategy(cfg, on_gpu: bool):
 
 
 def parallelize(model: nn.Module, device_mesh, cfg) -> nn.Module:
-    """ModelParallelStrategy's hook: turn the whole model into what this rank holds."""
+    """ModelParallelStrategy's hook: turn the whole model into what this rank holds, on this rank's device.
+    Fabric moves nothing here (its module_to_device is a no-op for this strategy): FSDP2 moves what it
+    shards, but under plain tp distribute_tensor moves only the split linears, and a pipeline stage
+    built by hand is not moved at all, so both are moved here."""
+    device = mesh_device(device_mesh)
+    if cfg.strategy == "tp":
+        model.to(device)  # embeddings, LayerNorms, LM head: replicated, so each rank needs them on its device
     if cfg.strategy in ("tp", "fsdp_tp"):
         apply_tensor_parallel(model, device_mesh["tensor_parallel"], cfg.n_head)
     if cfg.strategy in ("fsdp", "fsdp_tp"):
         apply_fsdp(model, device_mesh["data_parallel"])
-    if cfg.strategy == "pp":
-        model = pipeline_stage_module(model, device_mesh["tensor_parallel"].get_local_rank(), pp_size(cfg))
+    if cfg.strategy == "pp":  # only this stage's blocks travel to the device, never the whole model
+        model = pipeline_stage_module(model, device_mesh["tensor_parallel"].get_local_rank(), pp_size(cfg)).to(device)
     return model
+
+
+def mesh_device(device_mesh) -> torch.device:
+    """This rank's device: Fabric has set the current CUDA device before calling parallelize."""
+    if device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_mesh.device_type)
+
+
+class PlacementError(RuntimeError):
+    """A strategy left part of the model off the rank's device: a bug of its builder, caught before the
+    first forward would fail deep inside with a device mismatch."""
+
+
+def check_placement(module: nn.Module, device: torch.device) -> None:
+    """Every parameter and buffer this rank holds lives on `device` (DTensors: their local shard)."""
+    def elsewhere(t: torch.Tensor) -> bool:
+        return t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index))
+
+    wrong = [(name, t.device) for name, t in [*module.named_parameters(), *module.named_buffers()] if elsewhere(t)]
+    if wrong:
+        listing = ", ".join(f"{name} on {where}" for name, where in wrong[:4]) + (", ..." if len(wrong) > 4 else "")
+        raise PlacementError(f"after set-up {len(wrong)} parameter(s)/buffer(s) are not on {device}: {listing}. The "
+                             f"strategy did not move them; this is a bug in strategies.py, not in the flags")
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -396,7 +456,9 @@ def export_state_dict(fabric, model, cfg) -> dict | None:
     if cfg.strategy == "pp":
         local = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
         parts = [None] * fabric.world_size if fabric.global_rank == 0 else None
-        dist.gather_object(local, parts, dst=0)
+        # through gloo on the CPU: over NCCL, gather_object stages every stage's pickled fp32 weights in
+        # rank 0's GPU memory (GBs for the 1.6B model); new_group is collective, so every rank makes it
+        dist.gather_object(local, parts, dst=0, group=dist.new_group(backend="gloo"))
         if fabric.global_rank != 0:
             return None
         sd = {}

@@ -1,0 +1,155 @@
+"""The GPU paths, proven on CPU wherever the mechanism runs there: the loss-scale overflow of 16-mixed (a real
+GradScaler and float16 autocast on the CPU), the device-placement check after set-up, DataParallel's autocast
+dtype, the NVML sampler's CSV and visible devices, the CUDA/driver mismatch message, the NVMe build checks,
+the single-device baseline's sizing and the large-model verdict of make gpu-check."""
+
+import csv
+import json
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from conftest import run_in_process
+import bench
+import fabric_gpt as gpt
+import lab
+import run_state
+import strategies
+from fabric_lenet import Config as LenetConfig, LeNet5
+
+RAMP = ["--model", "tiny", "--dataset", "ramp", "--accelerator", "cpu", "--micro-batch-size", "4", "--warmup-steps", "1"]
+
+
+def record(out, name) -> dict:
+    return json.loads((out / name / "record.json").read_text())
+
+
+@pytest.mark.parametrize("optimizer", [["--optimizer", "adamw"], ["--optimizer", "sgd", "--grad-clip", "0"]])
+def test_fp16_overflow_is_skipped_and_the_run_goes_on(tmp_path, optimizer):
+    """A loss scale of 2^40 overflows float16 in backward: those steps are skipped (not applied: inf/NaN
+    gradients applied would make every later loss NaN and end the run), the scale is halved until it fits,
+    and the skipped steps are counted; the run then learns the ramp. Both the clipping path (AdamW, where
+    Fabric unscales for clip_gradients) and the unclipped one (SGD, unscaled by hand) are taken."""
+    run_in_process("fabric_gpt.py", *RAMP, *optimizer, "--lr", "1e-2" if optimizer[1] == "adamw" else "0.5",
+                   "--precision", "16-mixed", "--loss-scale-power", "40", "--num-samples", "240", "--out-dir", tmp_path,
+                   "--run-name", "fp16")
+    r = record(tmp_path, "fp16")
+    norms = dict(r["grad_norms"])
+    assert r["steps"] == 60 and 10 <= r["skipped_steps"] < 40, r["skipped_steps"]
+    assert not all(map(torch.isfinite, torch.tensor(list(norms.values()))))  # the overflowed steps were logged
+    losses = [loss for _, loss in r["losses"]]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_nonfinite_gradient_without_a_loss_scaler_still_stops_the_run(tmp_path):
+    proc = run_in_process("fabric_gpt.py", *RAMP, "--optimizer", "sgd", "--grad-clip", "0", "--lr", "1e9",
+                          "--num-samples", "40", "--out-dir", tmp_path, "--run-name", "nan", check=False)
+    assert proc.returncode == 1 and "loss became" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_placement_check_names_what_was_left_off_the_device():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    strategies.check_placement(model, torch.device("cpu"))  # all on the device: silent
+    model[1].to("meta")
+    with pytest.raises(strategies.PlacementError, match=r"2 parameter\(s\)/buffer\(s\) are not on cpu: 1.weight on meta"):
+        strategies.check_placement(model, torch.device("cpu"))
+
+
+def test_lenet_names_its_autocast_dtype_in_every_thread():
+    """DataParallel runs each replica in a worker thread that enters autocast again without the dtype
+    (float16 on CUDA). A thread doing the same on CPU: the model's own autocast_dtype wins."""
+    model = LeNet5(LenetConfig(channels_last=False))
+    model.autocast_dtype = torch.bfloat16
+    seen = {}
+
+    def worker():
+        with torch.autocast("cpu", dtype=torch.float16):
+            seen["dtype"] = model(torch.randn(2, 1, 28, 28)).dtype
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["dtype"] == torch.bfloat16
+
+
+def test_lenet_records_the_dtype_it_computed_in(mnist_dir, tmp_path):
+    for precision, dtype in (("32-true", "torch.float32"), ("bf16-mixed", "torch.bfloat16")):
+        run_in_process("fabric_lenet.py", "--epochs", "1", "--max-steps", "2", "--no-tb-images", "--accelerator", "cpu",
+                       "--precision", precision, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", precision)
+        assert record(tmp_path, precision)["compute_dtype"] == dtype
+
+
+def test_nvml_sampler_sees_only_the_visible_gpus():
+    assert lab.visible_gpus(None, 4) == [0, 1, 2, 3]
+    assert lab.visible_gpus("2,0", 4) == [2, 0]
+    assert lab.visible_gpus("1,7,2", 4) == [1]  # CUDA stops at the first device that does not exist
+    assert lab.visible_gpus("MIG-4f1c,GPU-9a2b", 1) == ["MIG-4f1c", "GPU-9a2b"]
+    assert lab.visible_gpus("", 4) == []
+
+
+def test_nvml_csv_with_commas_in_labels_reads_back(tmp_path):
+    path = tmp_path / "nvml.csv"
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(lab.CSV_HEADER)
+        out.writerow(["0.50", 0, "", "1.000", "80.000", "GPT tiny, tp on 1 GPU"])  # a MIG slice: no utilization
+    rows = list(csv.DictReader(open(path)))
+    assert rows == [{"time_s": "0.50", "gpu": "0", "util_pct": "", "mem_used_gib": "1.000", "mem_total_gib": "80.000",
+                     "label": "GPT tiny, tp on 1 GPU"}]
+
+
+def test_gpus_torch_cannot_use_are_named_with_the_fix(tmp_path, monkeypatch):
+    """nvidia-smi sees a GPU, torch does not (a CUDA 13 build on a 535 driver): one line with the driver,
+    torch's CUDA and the setup command; --accelerator gpu is refused with it."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA A100-SXM4-80GB, 535.104.05'\necho 'NVIDIA A100-SXM4-80GB, 535.104.05'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    message = run_state.cuda_mismatch()
+    assert "2 GPU(s) (NVIDIA A100-SXM4-80GB, driver 535.104.05)" in message and "TORCH_INDEX=" in message
+    with pytest.raises(run_state.ConfigError, match="driver 535.104.05"):
+        run_state.check_hardware("gpu", 1, "32-true")
+    assert "Makefile" and "TORCH_INDEX" in (run_state.Path(__file__).parent.parent / "Makefile").read_text()
+
+
+def test_nvme_on_a_gpu_checks_the_cuda_toolkit_and_the_arch_list(tmp_path):
+    assert "no CUDA_HOME" in strategies.cuda_toolkit_problem(None)
+    assert "has no include/cuda_runtime.h" in strategies.cuda_toolkit_problem(str(tmp_path))
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    assert strategies.cuda_toolkit_problem(str(tmp_path)) is None
+    assert strategies.deepspeed_arch_list("8.0;9.0a 10.0f+PTX") == "8.0;9.0 10.0+PTX"
+
+
+def test_single_device_baseline_takes_the_global_batch_in_micro_batches_that_fit():
+    """The sweep's global batch of 32 for the 1.6B model on one 80 GiB GPU: no longer 32 at once (the plan
+    says it cannot fit) but the largest divisor that fits, accumulated to 32."""
+    import accounting
+
+    def planned(micro):
+        cfg = gpt.resolve(gpt.Config(model="1.6b", precision="bf16-mixed", micro_batch_size=micro, grad_accum=32 // micro))
+        return accounting.memory_plan(cfg, *gpt.count_parameters(cfg))["total"]
+    memory = 80 * 2**30
+    micro = bench.single_device_micro_batch("1.6b", "bf16-mixed", 32, memory)
+    assert 32 % micro == 0 and micro < 32 and planned(32) >= 0.9 * memory
+    assert planned(micro) < 0.9 * memory and (micro == 32 or planned(2 * micro) >= 0.9 * memory)
+    assert bench.single_device_micro_batch("1.6b", "bf16-mixed", 32, 2**30) == 1  # fits nowhere: the run will say so
+
+
+def test_large_model_verdict_on_a_gpu_without_a_known_peak():
+    r = {"memory": {"max_allocated_gb": 30.0}, "memory_setup": {"max_allocated_gb": 7.0}, "planned_gb": 26.0,
+         "final_loss": 10.9, "tokens_per_s": 5000.0, "tflops_per_device": 50.0, "tflops_per_device_8n": 60.0,
+         "mfu": None, "peak_flops": None, "peak_flops_source": "unknown GPU (not in PEAK_FLOPS)"}
+    ok, figure = lab.big_model_verdict(r)
+    assert ok and "MFU unknown (unknown GPU (not in PEAK_FLOPS))" in figure and "set-up peak 7.0" in figure
+    r.update(mfu=0.05, peak_flops=989e12)
+    assert "MFU 5.0% of 989 TFLOPS" in lab.big_model_verdict(r)[1]
+
+
+def test_export_variants_and_l40s_have_peaks():
+    import accounting
+
+    assert accounting.gpu_chip("NVIDIA H800") == "h100 sxm" and accounting.gpu_chip("NVIDIA A800-SXM4-80GB") == "a100"
+    assert accounting.gpu_chip("NVIDIA L40S") == "l40s" and accounting.gpu_chip("NVIDIA B200") is None
