@@ -145,24 +145,52 @@ def model_states(cfg, P: int) -> dict:
 
 
 def activation_bytes(cfg, attn_implementation: str) -> dict:
-    """Activations of one micro-batch per layer, Korthikanti et al. 2022: s·b·h·(34 + 5·a·s/h) bytes in 16
-    bits, the 5·a·s/h term only when the attention scores are materialized (eager attention, not a fused
-    SDPA/flash kernel); tensor parallel divides all but 10·s·b·h of it by t."""
+    """Bytes saved for backward by one micro-batch, counted from what HF GPT-2 actually saves (listed with
+    torch.autograd.graph.saved_tensors_hooks on CPU; tests/test_gpt.py compares the two). Per block and per
+    element of s·b·h, with w the activation word (2 under bf16, 4 in float32) and r the residual stream's
+    (4 under autocast, which leaves it in float32):
+      2r   the two LayerNorms' inputs (the residual stream)
+      2w   their outputs, the inputs of c_attn and c_fc
+      3w   q, k, v (SDPA saves them, its output w and a log-sum-exp per head and position)
+      w    the attention output (c_proj's input is a view of it)
+      8w+12g  the MLP: gelu_new is a Python composite whose ops each save their inputs: c_fc's output (or its
+           float32 copy) and tanh and 1+tanh, 12g, 0.5x 4w, and its output 4w (c_proj's input); g is w, except
+           under autocast on CUDA, which runs pow in float32 (g = 4)
+    = 2r + 14w + 12g: 112 bytes in float32, 60 under bf16 autocast on a CPU and 84 on a GPU (measured on an
+    H100), 56 in bf16-true: 1.6x to 2.5x Korthikanti et al.'s 34 (fused kernels, a 16-bit residual). Autocast also keeps each block's 16-bit weight
+    copies (12h² x 2 bytes) for backward. Eager attention adds the s x s scores (Korthikanti's 5as/h, in w-byte
+    words). Tensor parallel splits all but the LayerNorms' inputs and outputs by t."""
     s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    scale = 1 if half else 2  # the formula counts 2-byte activations
+    # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
+    autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy)
+    w = 2 if half else 4
+    r = 4 if autocast or not half else 2
+    # gelu_new's word: CUDA's autocast runs torch.pow in float32 and the ops after it follow (measured on an
+    # H100: 84 bytes per block and element, against 60 under the CPU's autocast, where pow stays in bf16)
+    g = 4 if autocast and plans_for_gpu(cfg) else w
     t, p = tp_size(cfg), pp_size(cfg)
-    scores = 5 * a * s / h if attn_implementation == "eager" else 0
-    per_layer = s * b * h * (10 + (24 + scores) / t) * scale
-    resid = 2 if cfg.precision == "bf16-true" else 4  # autocast leaves the residual stream in fp32
-    logits = s * b * V * ((2 if half else 4) + 4 + 4) / t  # logits, their fp32 copy for the loss, its gradient
+    scores = 5 * a * s / h * w / 2 if attn_implementation == "eager" else 0
+    per_layer = s * b * h * (2 * r + 2 * w + (12 * w + 12 * g + scores) / t)
+    weight_copies = 12 * h * h * 2 / t if autocast else 0  # per block, kept from forward to backward
+    head = s * b * h * (r + w) + (V * h * 2 if autocast else 0)  # ln_f's input and output; lm_head's weight copy
+    # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward
+    logits = s * b * V * (w + 4 + 4) / t
     layers = -(-L // p)
     in_flight = 1
     if cfg.strategy == "pp":  # the first stage holds activations of up to p (1F1B) or m (GPipe) micro-batches
         in_flight = min(p, cfg.grad_accum) if cfg.pp_schedule == "1f1b" else cfg.grad_accum
-    full = in_flight * layers * per_layer + logits
-    checkpointed = in_flight * layers * s * b * h * resid + per_layer + logits  # block inputs kept, one recomputed
-    return {"activations_full": full, "activations_checkpointed": checkpointed}
+    full = in_flight * layers * (per_layer + weight_copies) + head + logits
+    # checkpointing keeps each block's input (the residual stream) and recomputes one block at a time
+    checkpointed = in_flight * layers * s * b * h * r + per_layer + weight_copies + head + logits
+    return {"activations_full": full, "activations_checkpointed": checkpointed, "logits_gradient": s * b * V * 4 / t}
+
+
+def plans_for_gpu(cfg) -> bool:
+    """The plan describes a GPU run: one is asked for, or visible, or --device-memory-gb names one."""
+    accelerator = getattr(cfg, "accelerator", "auto")
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and (
+        torch.cuda.is_available() or bool(getattr(cfg, "device_memory_gb", 0))))
 
 
 def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
