@@ -49,6 +49,14 @@ $(VENV)/.libaio: $(VENV)/.installed
 	fi || echo "note: libaio was not fetched; --nvme-path is refused until libaio-dev is installed"
 	touch $@
 
+# Compiled once here rather than inside the first run (or test) that needs them: DeepSpeed's CPU ops and the
+# C++ GELU (each recompiles by itself if its sources or torch change).
+$(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp
+	$(PY) -c "import strategies; strategies.build_cpu_ops()"
+	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')"
+	touch $@
+SETUP += $(VENV)/.ops
+
 setup: $(SETUP) ## create .venv and install requirements.txt (and libaio for NVMe offload where the system lacks it)
 
 lab: $(SETUP) ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
