@@ -207,27 +207,46 @@ def section_gpt(rep: Report, runs: Path, chosen: Path | None) -> None:
     rep.add(f"Sweep `{bench_dir.name}`: model **{first['model']}** ({first['n_params'] / 1e6:,.2f}M parameters) on "
             f"**{first['device_name']}**, the same {bench['args']['num_samples']} samples and global batch for every row.",
             "", (bench_dir / "table.md").read_text(), "")
-    labels = [f"{r['strategy']}\n{r['precision']}" for r in ok]
-    recs = [r["record"] for r in ok]
-    mem = [r["memory"].get("max_allocated_gb", r["memory"].get("max_rss_gb", 0)) for r in recs]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    axes[0, 0].bar(labels, [r["tokens_per_s"] for r in recs])
-    axes[0, 0].set(title="throughput (tokens/s)")
-    has_mfu = all(r["mfu"] is not None for r in recs)
-    axes[0, 1].bar(labels, [100 * r["mfu"] if has_mfu else r["tflops_per_device"] for r in recs])
-    axes[0, 1].set(title="MFU (%)" if has_mfu else "TFLOPS per device (MFU unknown on this device)")
-    x = range(len(recs))
-    axes[1, 0].bar([i - 0.2 for i in x], mem, width=0.4, label="measured peak")
-    axes[1, 0].bar([i + 0.2 for i in x], [r["planned_gb"] for r in recs], width=0.4, label="planned")
-    axes[1, 0].set(title="memory per device (GiB; CPU: process peak RSS)", xticks=list(x), xticklabels=labels)
-    axes[1, 0].legend()
-    singles = {r["precision"]: r["record"]["tokens_per_s"] for r in ok if r["strategy"] == "auto"}
-    axes[1, 1].bar(labels, [r["record"]["tokens_per_s"] / singles.get(r["precision"], float("nan")) for r in ok])
-    axes[1, 1].axhline(1, color="gray", lw=0.8)
-    axes[1, 1].set(title="speed-up over one device (same precision)")
-    for ax in axes.flat:
-        ax.tick_params(axis="x", labelsize=7, rotation=45)
-    rep.figure(fig, "gpt_strategies.png", "strategy comparison")
+    rep.figure(strategy_figure(ok), "gpt_strategies.png", "strategy comparison, grouped by precision")
+
+
+def strategy_figure(rows: list):
+    """Four panels of horizontal bars, one row per strategy and one colour per precision, so that labels never
+    overlap: throughput, MFU (or TFLOPS where the peak is unknown), the model-state bytes a rank holds against the
+    plan's (like with like: process RSS is mostly the libraries), and the speed-up over one device."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    precisions = list(dict.fromkeys(r["precision"] for r in rows))
+    by = {(r["strategy"], r["precision"]): r["record"] for r in rows}
+    singles = {p: by[("auto", p)]["tokens_per_s"] for p in precisions if ("auto", p) in by}
+    has_mfu = all(r["record"]["mfu"] is not None for r in rows)
+    held = lambda r: sum(r.get("held_bytes", {}).values()) / 2**20  # noqa: E731
+    planned = lambda r: sum(r["plan_gb"].get(k, 0) for k in ("params", "grads", "optimizer", "master")) * 1024  # noqa: E731
+    panels = [("throughput", "tokens/s", lambda r: r["tokens_per_s"]),
+              ("model FLOPs utilization" if has_mfu else "achieved TFLOPS per device (MFU: peak unknown)",
+               "MFU (%)" if has_mfu else "TFLOPS", (lambda r: 100 * r["mfu"]) if has_mfu else (lambda r: r["tflops_per_device"])),
+              ("model states per rank: held (solid) vs planned (hatched)", "MiB", None),
+              ("speed-up over one device, same precision", "x one device",
+               lambda r: r["tokens_per_s"] / singles[r["precision"]] if r["precision"] in singles else float("nan"))]
+    height = 0.8 / len(precisions)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 2 + 0.45 * len(strategies) * 2))
+    for ax, (title, unit, value) in zip(axes.flat, panels):
+        for k, precision in enumerate(precisions):
+            ys = [i + (k - (len(precisions) - 1) / 2) * height for i, s in enumerate(strategies) if (s, precision) in by]
+            recs = [by[(s, precision)] for s in strategies if (s, precision) in by]
+            if value is None:  # held against planned: two thin bars per row
+                ax.barh([y - height / 4 for y in ys], [held(r) for r in recs], height / 2, color=f"C{k}", label=precision)
+                ax.barh([y + height / 4 for y in ys], [planned(r) for r in recs], height / 2, color="none",
+                        edgecolor=f"C{k}", hatch="//")
+            else:
+                ax.barh(ys, [value(r) for r in recs], height, color=f"C{k}", label=precision)
+        ax.set_yticks(range(len(strategies)), strategies)
+        ax.invert_yaxis()
+        ax.set(title=title, xlabel=unit)
+        ax.grid(axis="x", alpha=0.3)
+    axes[1, 1].axvline(1, color="gray", lw=0.8)
+    axes[0, 0].legend(title="precision", fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def section_gpu_check(rep: Report, runs: Path) -> None:

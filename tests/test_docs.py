@@ -1,0 +1,42 @@
+"""The README and docs/ as a newcomer reads them: every relative link resolves (file and #anchor), and every
+`make` target the README names exists in the Makefile."""
+
+import re
+from pathlib import Path
+
+from conftest import REPO
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+    assert len(PAGES) >= 8
+
+
+def test_every_make_target_the_readme_names_exists():
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, flags=re.M))
+    named = set(re.findall(r"`make ([a-z][\w-]*)", (REPO / "README.md").read_text()))
+    assert named and not named - targets, named - targets
+
+
+def test_readme_is_a_front_door():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
