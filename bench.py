@@ -159,7 +159,7 @@ def single_device_micro_batch(model: str, precision: str, global_batch: int, mem
 
     for micro in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0), reverse=True):
         cfg = fabric_gpt.resolve(fabric_gpt.Config(model=model, precision=precision, micro_batch_size=micro,
-                                                   grad_accum=global_batch // micro))
+                                                   grad_accum=global_batch // micro, accelerator="cuda"))
         n_params, attn = fabric_gpt.count_parameters(cfg)
         if accounting.memory_plan(cfg, n_params, attn)["total"] < 0.9 * memory_bytes:
             return micro
