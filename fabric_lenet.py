@@ -531,9 +531,10 @@ def choose_precision(key: dict, cache_file: Path, measure) -> dict:
             cache = {}
         if name in cache:
             return {**cache[name], "cached": True}
+        started = time.perf_counter()
         speeds = measure()
         entry = {"choice": max(speeds, key=speeds.get), "samples_per_s": speeds, "key": key,
-                 "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+                 "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
         write_json_atomic(cache_file, {**cache, name: entry})
     return {**entry, "cached": False}
 
@@ -554,9 +555,10 @@ def auto_precision(cfg: Config) -> str:
 
 def probe_line(probe: dict) -> str:
     s = probe["samples_per_s"]
+    when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
     return (f"precision auto: {probe['choice']} (LeNet-5 step at batch {probe['key']['local_batch']}, "
             f"{probe['key']['threads']} thread(s): bf16 autocast {s['bf16-mixed']:,.0f} samples/s, float32 "
-            f"{s['32-true']:,.0f}; {'cached ' + probe['date'] if probe['cached'] else 'measured now'})")
+            f"{s['32-true']:,.0f}; {when}; --precision forces one)")
 
 
 def parse_args(argv=None) -> Config:
