@@ -473,15 +473,17 @@ def probe_key(cfg: Config) -> dict:
     world = cfg.devices * cfg.num_nodes
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (max(1, (os.cpu_count() or 1) // cfg.devices)
                                                             if cfg.devices > 1 else torch.get_num_threads())
-    return {"cpu": cpu_name(), "units": cpu_units(), "torch": torch.__version__, "threads": threads,
+    # instruction-set caps change the kernels as much as another CPU would (AVX2 alone: bf16 8.7x slower)
+    caps = {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}
+    return {"cpu": cpu_name(), "units": cpu_units(), "caps": caps, "torch": torch.__version__, "threads": threads,
             "local_batch": cfg.batch_size // world, "channels_last": cfg.channels_last,
             "pad_channels": cfg.pad_channels, "activation": cfg.activation}
 
 
-def measure_step_speed(cfg: Config, key: dict, windows: int = 5, steps: int = 2) -> dict:
+def measure_step_speed(cfg: Config, key: dict, windows: int = 4, steps: int = 2) -> dict:
     """Samples/s of LeNet-5's training step (forward, loss, backward, fused AdamW) in float32 and under
-    bf16 autocast, on random images of the run's shape: the median of alternating windows, after warm-up
-    steps that include oneDNN's kernel set-up. About 0.5 s on 2 cores."""
+    bf16 autocast, on random images of the run's shape: the median of 4 alternating windows of 2 steps, after 2
+    warm-up steps that include oneDNN's kernel set-up. About 0.5 s on 2 cores, once per machine and settings."""
     threads = torch.get_num_threads()
     torch.set_num_threads(key["threads"])
     try:
@@ -504,7 +506,7 @@ def measure_step_speed(cfg: Config, key: dict, windows: int = 5, steps: int = 2)
 
         times = {p: [] for p in models}
         for p in models:
-            for _ in range(3):
+            for _ in range(2):
                 step(p)
         for _ in range(windows):
             for p in models:

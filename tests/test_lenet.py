@@ -203,8 +203,11 @@ def test_auto_precision_takes_the_faster_measured_step_and_caches_it(tmp_path):
     assert fabric_lenet.choose_precision(key, cache, timings(1.0, 2.0))["choice"] == "bf16-mixed" and len(calls) == 3
 
 
-def test_auto_precision_key_follows_the_settings_that_change_the_step():
+def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatch):
     base = fabric_lenet.probe_key(Config())
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert fabric_lenet.probe_key(Config()) != base  # a cap picks other kernels: measured again
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert base["local_batch"] == 512 and base["cpu"] and base["torch"] == torch.__version__
     assert fabric_lenet.probe_key(Config(devices=2))["local_batch"] == 256
     assert fabric_lenet.probe_key(Config(channels_last=False)) != base
