@@ -8,6 +8,7 @@ Results go to runs/bench-lenet/ and runs/bench-gpt-<model>-<devices>x<accelerato
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -157,10 +158,10 @@ def single_device_micro_batch(model: str, precision: str, global_batch: int, mem
     import accounting
     import fabric_gpt
 
+    base = fabric_gpt.resolve(fabric_gpt.Config(model=model, precision=precision, accelerator="cuda"))
+    n_params, attn = fabric_gpt.count_parameters(base)  # the micro-batch changes the plan, not the model
     for micro in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0), reverse=True):
-        cfg = fabric_gpt.resolve(fabric_gpt.Config(model=model, precision=precision, micro_batch_size=micro,
-                                                   grad_accum=global_batch // micro, accelerator="cuda"))
-        n_params, attn = fabric_gpt.count_parameters(cfg)
+        cfg = dataclasses.replace(base, micro_batch_size=micro, grad_accum=global_batch // micro)
         if accounting.memory_plan(cfg, n_params, attn)["total"] < 0.9 * memory_bytes:
             return micro
     return 1

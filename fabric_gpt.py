@@ -95,8 +95,8 @@ class Config:
                               "GPT-2 state dict, whatever the strategy")
 
 
-RUNTIME_FIELDS = {"loss_scale_power", "compile", "timing_warmup", "log_every", "plan", "device_memory_gb", "out_dir", "run_name",
-                  "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export"}
+RUNTIME_FIELDS = {"compile", "timing_warmup", "log_every", "plan", "device_memory_gb", "out_dir", "run_name",
+                  "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
 
 def resolve(cfg: Config) -> Config:

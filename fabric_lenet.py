@@ -32,9 +32,8 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 import datasets_local
 from gelu_ext import GeluBuildError
 from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_choices,
-                       check_hardware,
-                       cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main, uses_gpu,
-                       write_json_atomic)
+                       check_hardware, cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main,
+                       uses_gpu, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")

@@ -80,7 +80,8 @@ def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: 
     """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs.
     fp16_on_cpu: the caller runs 16-mixed on a CPU too (float16 autocast and a GradScaler: slow, for checks)."""
     gpu = uses_gpu(accelerator)
-    unusable = cuda_mismatch()
+    # only where a GPU was asked for or may be used: a CPU run needs no nvidia-smi call and no warning
+    unusable = cuda_mismatch() if accelerator in ("auto", "gpu", "cuda") else None
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(unusable or "--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
     if unusable:  # --accelerator auto: runs on the CPU, but never without saying why
