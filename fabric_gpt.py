@@ -24,7 +24,9 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import accounting
+import perf_model
 import strategies
+from comm_counter import CommCounter
 from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_choices, check_hardware, cpu_name,
                        nonfinite_message, opt, parse_config, run_main, uses_gpu)
 from strategies import STRATEGIES, is_deepspeed
@@ -84,7 +86,15 @@ class Config:
     # --- measurement and output
     timing_warmup: int = opt(2, "first optimizer steps of each process left out of time and throughput")
     log_every: int = opt(1, "optimizer steps between log lines")
-    plan: bool = opt(False, "print the memory plan and exit without training")
+    plan: bool = opt(False, "print the memory and time plan and exit without training")
+    cluster: str = opt("", "node type the plan is for: a100-sxm-80g (the course's), h100-sxm, h200-sxm, h100-pcie, "
+                           "h100-sxm-eth, or cpu (measured here); default: the visible GPU's, else a100-sxm-80g")
+    tokens: float = opt(0.0, "with --plan: tokens to train on, for the days and device-hours (e.g. 15e12)")
+    plan_json: str = opt("", "with --plan: also write the plan as JSON to this path")
+    search: bool = opt(False, "plan every strategy x tp x pp x micro-batch x checkpointing x offload on the cluster "
+                              "at this global batch, and rank what fits by predicted tokens/s")
+    count_comms: bool = opt(False, "record the collectives and transfers of one optimizer step after warm-up "
+                                   "(comm_counted in record.json) beside the plan's (comm_planned)")
     device_memory_gb: float = opt(0.0, "memory per device for --plan (0: the visible GPU's)")
     out_dir: str = opt("runs", "folder holding one folder per run")
     run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)")
@@ -95,7 +105,8 @@ class Config:
                               "GPT-2 state dict, whatever the strategy")
 
 
-RUNTIME_FIELDS = {"compile", "timing_warmup", "log_every", "plan", "device_memory_gb", "out_dir", "run_name",
+RUNTIME_FIELDS = {"compile", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
+                  "search", "device_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
 
@@ -275,20 +286,26 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
     progress: Progress = run.state["progress"]
     tokens_per_step = samples_per_step(cfg) * cfg.seq_len
     batches = itertools.islice(iter(loader), progress.step * cfg.grad_accum, None)
-    steps_here, timed_time, timed_steps = 0, 0.0, 0
+    steps_here, timed_time, timed_steps, comms = 0, 0.0, 0, None
     while progress.step < stop_at:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, cfg, total_steps)
         micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
         sync(fabric.device)
+        # the first step after warm-up (or the last one) is counted, and not timed: the counter slows it
+        counter = CommCounter() if cfg.count_comms and comms is None and (
+            steps_here == cfg.timing_warmup or progress.step + 1 == stop_at) else None
         t0 = time.perf_counter()
-        loss, norm, skipped = take_step(run, model, optimizer, micro_batches)
+        with counter or nullcontext():
+            loss, norm, skipped = take_step(run, model, optimizer, micro_batches)
         sync(fabric.device)
         step_time = time.perf_counter() - t0
         progress.step += 1
         progress.train_time_s += step_time
         steps_here += 1
-        if steps_here > cfg.timing_warmup:  # this process's own first steps are the cold ones
+        if counter:
+            comms = {"step": progress.step, "table": counter.table()}
+        elif steps_here > cfg.timing_warmup:  # this process's own first steps are the cold ones
             timed_time, timed_steps = timed_time + step_time, timed_steps + 1
         step = progress.step
         progress.skipped_steps += skipped
@@ -308,7 +325,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             run.save(step)
         if stopping:
             raise run.stopped()
-    return {"timed_time_s": timed_time, "timed_steps": timed_steps}
+    return {"timed_time_s": timed_time, "timed_steps": timed_steps, "comms": comms}
 
 
 def mean_loss(fabric, cfg: Config, loss: torch.Tensor) -> float:
@@ -383,12 +400,15 @@ def print_summary(fabric: Fabric, r: dict) -> None:
                  f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}")
 
 
-def device_memory(cfg: Config) -> float | None:
+def plan_cluster(cfg: Config) -> "perf_model.Cluster":
+    """--cluster, else the visible GPU's node type, else the course's node; --device-memory-gb overrides memory."""
+    name = cfg.cluster
+    if not name and torch.cuda.is_available():
+        name = perf_model.cluster_of_gpu(torch.cuda.get_device_name(0)) or perf_model.DEFAULT_GPU_CLUSTER
+    cluster = perf_model.cluster_named(name or perf_model.DEFAULT_GPU_CLUSTER, cfg.precision)
     if cfg.device_memory_gb:
-        return cfg.device_memory_gb * 2**30
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return None
+        cluster = dataclasses.replace(cluster, memory_bytes=cfg.device_memory_gb * 2**30)
+    return cluster
 
 
 def print_plan(cfg: Config, plan: dict) -> None:
@@ -402,18 +422,31 @@ def print_plan(cfg: Config, plan: dict) -> None:
     print(f"  {'activations (no ckpt)':<26}{gib(plan['activations_full'])}")
     print(f"  {'activations (checkpointed)':<26}{gib(plan['activations_checkpointed'])}")
     print(f"  {'total per device':<26}{gib(plan['total'])}   (activations {'with' if cfg.grad_checkpointing else 'without'} checkpointing)")
-    if "bubble_fraction" in plan:
-        print(f"  pipeline bubble: {100 * plan['bubble_fraction']:.1f}% of each step idle ((p-1)/(m+p-1), "
-              f"m = {cfg.grad_accum} micro-batches)")
     if plan["deepspeed_estimate"] is not None:
         ours = plan["params"] + plan["grads"] + plan["optimizer"] + plan["gathered_layer"]
         print(f"  model states: ours {gib(ours)}, DeepSpeed's estimator {gib(plan['deepspeed_estimate'])}")
-    memory = device_memory(cfg)
-    if memory is None:
-        print("  fits: unknown (no GPU visible; pass --device-memory-gb to plan for one)")
-    else:
-        verdict = "fits" if plan["total"] < 0.9 * memory else "does NOT fit"
-        print(f"  {verdict} in {memory / 2**30:.0f} GiB per device (keeping 10% for buffers and fragmentation)")
+    print(f"  {'fits' if plan['fits'] else 'does NOT fit'} in {plan['memory_available_bytes'] / 2**30:.0f} GiB per device "
+          f"of {plan['time']['device']} (keeping 10% for buffers and fragmentation)")
+
+
+def print_time_plan(cfg: Config, t: dict) -> None:
+    ms = lambda s: f"{1e3 * s:10.2f} ms"  # noqa: E731
+    print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): peak "
+          f"{t['peak_flops'] / 1e12:.1f} TFLOPS x efficiency {t['efficiency']:.2f} (an input, --cluster's)")
+    print(f"  {'compute':<26}{ms(t['compute_s'])}")
+    print(f"  {'communication':<26}{ms(t['comm_s'])}   ({ms(t['comm_exposed_s']).strip()} not hidden behind compute)")
+    if t["bubble_s"]:
+        print(f"  {'pipeline bubble':<26}{ms(t['bubble_s'])}   ((p-1)/(m+p-1) of the pipeline's time, m = {cfg.grad_accum})")
+    if t["offload_s"]:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in t["offload"].items())
+        print(f"  {'offload':<26}{ms(t['offload_s'])}   ({parts})")
+    print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%")
+    if "train_days" in t:
+        print(f"  {t['tokens']:.3g} tokens: {t['train_days']:,.1f} days, {t['device_hours']:,.0f} device-hours")
+    if t["comm"]:
+        print(f"  transfers of one optimizer step (rank 0): {'kind':<15}{'group':>6}{'bytes':>14}{'count':>7}  link   overlaps")
+        for r in t["comm"]:
+            print(f"  {'':<42}{r['kind']:<15}{r['group_size']:>6}{r['bytes']:>14,}{r['count']:>7}  {r['link']:<6} {r['overlap']}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -438,7 +471,7 @@ def validate(cfg: Config) -> None:
     validate_parallel_sizes(cfg)
     if cfg.optimizer == "sgd" and cfg.strategy.endswith("_offload"):
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
-    if cfg.plan:
+    if cfg.plan or cfg.search:
         return
     # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not is_deepspeed(cfg.strategy))
@@ -489,16 +522,27 @@ def parse_args(argv=None) -> Config:
 
 def main(argv=None):
     cfg = resolve(parse_args(argv))
-    if cfg.plan:
+    if cfg.plan or cfg.search:
         return run_main(cfg, "gpt", validate, plan_only)
     return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,))
 
 
 def plan_only(cfg: Config) -> dict:
-    n_params, attn = count_parameters(cfg)
-    plan = accounting.memory_plan(cfg, n_params, attn)
-    print_plan(cfg, plan)
-    return plan
+    """--plan and --search: memory and time without training, printed and, with --plan-json, written."""
+    cluster = plan_cluster(cfg)
+    perf_model.check_plannable(cfg, cluster)
+    if cfg.search:
+        rows = perf_model.search(cfg, cluster, count_parameters)
+        perf_model.print_search(cfg, cluster, rows)
+        result = {"search": rows}
+    else:
+        n_params, attn = count_parameters(cfg)
+        result = perf_model.full_plan(cfg, cluster, n_params, attn, cfg.tokens)
+        print_plan(cfg, result)
+        print_time_plan(cfg, result["time"])
+    if cfg.plan_json:
+        perf_model.write_json(cfg.plan_json, result)
+    return result
 
 
 def fabric_precision(cfg: Config, on_gpu: bool) -> dict:
@@ -567,6 +611,8 @@ def run(cfg: Config) -> dict:
                               for k, v in setup_peak.items()}
     record["held_bytes"] = {k: float(fabric.all_reduce(torch.tensor(float(v), device=fabric.device), reduce_op="max"))
                             for k, v in accounting.held_bytes(strategies.local_module(model, cfg.strategy), optimizer).items()}
+    if cfg.count_comms:
+        record.update(comm_record(cfg, result["comms"], n_params))
     if cfg.export:
         export = strategies.export_state_dict(fabric, model, cfg)
         if fabric.global_rank == 0:
@@ -574,6 +620,18 @@ def run(cfg: Config) -> dict:
     record = run.finish(record)
     print_summary(fabric, record)
     return record
+
+
+def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:
+    """What every rank issued in the counted step, rank 0's table, and the plan's for the same settings."""
+    tables = [comms]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        tables = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(tables, comms)
+    return {"comm_counted_step": comms["step"] if comms else None,
+            "comm_counted": tables[0]["table"] if tables[0] else [],
+            "comm_counted_by_rank": [t["table"] if t else [] for t in tables],
+            "comm_planned": perf_model.comm_table(cfg, n_params)}
 
 
 def check_resume(saved: dict, cfg: Config) -> None:

@@ -1,0 +1,560 @@
+"""The performance model beside the memory plan (accounting.py): clusters as data, and for a model, a cluster
+and a strategy, every transfer of one optimizer step, the step time (compute, exposed communication, pipeline
+bubble, offload), tokens/s, MFU, the days to train on T tokens, and a search over strategies.
+
+The transfers (`comm_table`) are what this repository's strategies issue, as counted by comm_counter.py on
+gloo with torch 2.14 and DeepSpeed 0.19 (tests/test_gpt.py checks every strategy's bytes against the count).
+Times follow from them: a collective over n ranks moving B bytes per rank costs latency plus B over the link's
+bandwidth times the ring algorithm's factor (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n).
+"""
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+import accounting
+from run_state import ConfigError
+from strategies import data_parallel_size, is_deepspeed, pp_size, tp_size, zero_stage
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One node type. Bandwidths are per device and direction, in bytes/s; peaks are dense, per device."""
+    name: str
+    device: str
+    peak_flops: dict  # dtype kind -> FLOP/s
+    memory_bytes: float
+    devices_per_node: int
+    intra_bw: float  # NVLink (or PCIe when the GPUs have no NVLink)
+    intra_latency: float
+    inter_bw: float  # the node's network per device (one NIC per GPU on DGX/HGX nodes)
+    inter_latency: float
+    pcie_bw: float  # host <-> device (offload)
+    nvme_bw: float  # per node, read or write
+    host_adam_params_per_s: float  # DeepSpeed's CPU Adam on the node's host, parameters per second per device
+    efficiency: float  # achievable fraction of the peak in training matmuls (an input; printed with every figure)
+    overlap: bool = True  # communication on its own engine (NCCL on a GPU); CPU cores do both in turn
+    source: str = ""
+
+
+CLUSTERS = {
+    "a100-sxm-80g": Cluster(
+        "a100-sxm-80g", "NVIDIA A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 8,
+        intra_bw=300 * GB, intra_latency=10e-6, inter_bw=25 * GB, inter_latency=20e-6, pcie_bw=25 * GB, nvme_bw=6 * GB,
+        host_adam_params_per_s=1e9, efficiency=0.5,
+        source="NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 19.5 fp32 (TF32 off, torch's default), NVLink 3 600 GB/s "
+               "(300 each way), PCIe 4.0 x16 (25 GB/s achieved of 32), HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
+    "h100-sxm": Cluster(
+        "h100-sxm", "NVIDIA H100 SXM5 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 8,
+        intra_bw=450 * GB, intra_latency=10e-6, inter_bw=50 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=12 * GB,
+        host_adam_params_per_s=1.5e9, efficiency=0.45,
+        source="NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 67 fp32, NVLink 4 900 GB/s (450 each way), PCIe 5.0 x16 "
+               "(50 GB/s achieved of 64), NDR InfiniBand 400 Gb/s per GPU (DGX H100)"),
+    "h200-sxm": Cluster(
+        "h200-sxm", "NVIDIA H200 SXM 141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 8,
+        intra_bw=450 * GB, intra_latency=10e-6, inter_bw=50 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=12 * GB,
+        host_adam_params_per_s=1.5e9, efficiency=0.45,
+        source="NVIDIA H200 datasheet: H100's tensor cores (989 TFLOPS bf16 dense) with 141 GB HBM3e; NVLink 4 and NDR "
+               "400 Gb/s per GPU as DGX H200"),
+    "h100-pcie": Cluster(
+        "h100-pcie", "NVIDIA H100 PCIe 80GB", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}, 80 * GB, 8,
+        intra_bw=25 * GB, intra_latency=15e-6, inter_bw=25 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=6 * GB,
+        host_adam_params_per_s=1e9, efficiency=0.45,
+        source="NVIDIA H100 PCIe datasheet: 756 TFLOPS bf16 dense, 51 fp32; no NVLink bridge assumed, so GPUs meet "
+               "through the PCIe switches and host (25 GB/s each way achieved); 200 Gb/s network per GPU"),
+    "h100-sxm-eth": Cluster(
+        "h100-sxm-eth", "NVIDIA H100 SXM5 80GB, 100 GbE between nodes", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+        80 * GB, 8, intra_bw=450 * GB, intra_latency=10e-6, inter_bw=12.5 * GB / 8, inter_latency=50e-6,
+        pcie_bw=50 * GB, nvme_bw=0, host_adam_params_per_s=1.5e9, efficiency=0.45,
+        source="h100-sxm inside a node; one 100 Gb/s Ethernet link per node shared by its 8 GPUs, no local NVMe "
+               "(a cloud node)"),
+}
+DEFAULT_GPU_CLUSTER = "a100-sxm-80g"  # the course's node: 2 x A100 80GB SXM with NVLink
+
+
+class PlanError(ConfigError):
+    """A cluster or a strategy the model cannot plan: the message names the flag and the fix."""
+
+
+def cluster_named(name: str, precision: str = "32-true") -> Cluster:
+    if name == "cpu":
+        return measured_cpu_cluster(precision)
+    if name not in CLUSTERS:
+        raise PlanError(f"--cluster {name!r} is not known; known: {', '.join([*CLUSTERS, 'cpu'])} (cpu is measured "
+                        "on this machine)")
+    return CLUSTERS[name]
+
+
+def measured_cpu_cluster(precision: str) -> Cluster:
+    """This machine, measured now: the matmul probe for the peak, gloo all-reduces between 2 processes for
+    the link. A CPU's cores compute and move bytes in turn, so nothing overlaps."""
+    import psutil
+
+    peak = accounting.measured_cpu_matmul_flops(precision)
+    latency, bandwidth = measure_gloo_link()
+    kind = accounting.dtype_kind(precision)
+    return Cluster("cpu", "this CPU (measured)", {kind: peak}, psutil.virtual_memory().total, 64,
+                   intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth, inter_latency=latency,
+                   pcie_bw=math.inf, nvme_bw=2 * GB, host_adam_params_per_s=2e8, efficiency=CPU_EFFICIENCY,
+                   overlap=False, source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), gloo all-reduce latency "
+                                         f"{latency * 1e6:.0f} us and bandwidth {bandwidth / GB:.2f} GB/s")
+
+
+# The share of the matmul probe a GPT-2 step reaches on CPU (elementwise ops, attention, the optimizer):
+# measured with make bench-gpt, see docs/plan.md
+CPU_EFFICIENCY = 0.5
+
+
+def measure_gloo_link(sizes=(1, 1 << 22)) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of an all-reduce between 2 local processes over gloo: the time of a
+    4-byte call, and the slope between it and a 16 MiB one, divided by the ring's 2(n-1)/n = 1."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_gloo_probe, args=(2, sizes, queue, _free_port()), nprocs=2, start_method="spawn")
+    small, large = queue.get()
+    return small, (sizes[1] - sizes[0]) * 4 / max(large - small, 1e-9)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_probe(rank, world, sizes, queue, port):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times = []
+    for n in sizes:
+        t = torch.ones(n)
+        for _ in range(3):
+            dist.all_reduce(t)
+        samples = []
+        for _ in range(10):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    if rank == 0:
+        queue.put(times)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the transfers of one step
+def param_tensors(cfg) -> list[tuple[str, tuple]]:
+    """GPT2LMHeadModel's parameters in registration order (HF Conv1D weights are [in, out]; lm_head is tied)."""
+    h, V, S = cfg.n_embd, cfg.vocab_size, cfg.seq_len
+    out = [("wte", (V, h)), ("wpe", (S, h))]
+    for i in range(cfg.n_layer):
+        out += [(f"h.{i}.{n}", s) for n, s in (
+            ("ln_1.weight", (h,)), ("ln_1.bias", (h,)), ("attn.c_attn.weight", (h, 3 * h)), ("attn.c_attn.bias", (3 * h,)),
+            ("attn.c_proj.weight", (h, h)), ("attn.c_proj.bias", (h,)), ("ln_2.weight", (h,)), ("ln_2.bias", (h,)),
+            ("mlp.c_fc.weight", (h, 4 * h)), ("mlp.c_fc.bias", (4 * h,)), ("mlp.c_proj.weight", (4 * h, h)),
+            ("mlp.c_proj.bias", (h,)))]
+    return out + [("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def row(kind: str, group: int, nbytes: float, count: int, link: str = "", overlap: str = "") -> dict:
+    return {"kind": kind, "group_size": group, "bytes": int(nbytes), "count": int(count), "link": link, "overlap": overlap}
+
+
+def merge(rows: list[dict]) -> list[dict]:
+    """Rows of the same (kind, group, bytes, link, overlap) added up; empty groups and counts dropped."""
+    out: dict = {}
+    for r in rows:
+        if r["count"] <= 0 or r["group_size"] < 2:
+            continue
+        key = (r["kind"], r["group_size"], r["bytes"], r["link"], r["overlap"])
+        out[key] = out.get(key, 0) + r["count"]
+    return [row(k, n, b, c, link, ov) for (k, n, b, link, ov), c in sorted(out.items())]
+
+
+def buckets(sizes: list[int], cap: float, first_cap: float | None = None) -> list[int]:
+    """Greedy buckets in backward order (parameters last-to-first), closing a bucket once it reaches its cap
+    (DDP: 1 MiB first, then 25 MiB), or before it would pass it (DeepSpeed's reduce bucket, in elements)."""
+    out, current, limit = [], 0, first_cap or cap
+    for size in reversed(sizes):
+        if first_cap is None and current and current + size > limit:  # DeepSpeed
+            out.append(current)
+            current = 0
+        current += size
+        if first_cap is not None and current >= limit:  # DDP
+            out.append(current)
+            current, limit = 0, cap
+    return out + ([current] if current else [])
+
+
+def words(cfg) -> dict:
+    """Bytes per element: gradients and parameters as the strategy keeps them, activations between blocks."""
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    deepspeed_half = is_deepspeed(cfg.strategy) and half  # DeepSpeed runs the model in 16 bits
+    weights = 2 if deepspeed_half or cfg.precision == "bf16-true" else 4
+    matmul_out = 2 if half else 4  # autocast's matmuls return 16-bit tensors
+    residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy) else matmul_out
+    return {"grad": weights, "param": weights, "matmul_out": matmul_out, "residual": residual}
+
+
+def comm_table(cfg, n_params: int | None = None) -> list[dict]:
+    """Every collective and transfer global rank 0 issues in one optimizer step, as comm_counter counts them:
+    {kind, group_size, bytes (the tensor this rank hands to one call), count}, plus the link it crosses and
+    what it can overlap with. Groups of one rank move nothing and are left out."""
+    w, m = words(cfg), cfg.grad_accum
+    params = param_tensors(cfg)
+    sizes = [numel(s) for _, s in params]
+    P = sum(sizes)
+    dp, t, p = data_parallel_size(cfg), tp_size(cfg), pp_size(cfg)
+    world = cfg.devices * cfg.num_nodes
+    dp_link, tp_link = link_of(cfg, "dp"), link_of(cfg, "tp")
+    rows = []
+    if cfg.strategy == "ddp":
+        rows += [row("all_reduce", dp, b * w["grad"], 1, dp_link, "backward")
+                 for b in buckets(sizes, 25 * 2**20 / w["grad"], 2**20 / w["grad"])]
+    elif is_deepspeed(cfg.strategy):
+        rows += deepspeed_rows(cfg, params, dp, dp_link)
+    elif cfg.strategy in ("fsdp", "fsdp_tp"):
+        rows += fsdp_rows(cfg, params, dp, t, dp_link)
+    if cfg.strategy in ("tp", "fsdp_tp"):
+        activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["matmul_out"]
+        # per block: attention's and the MLP's row-parallel outputs in forward, the column-parallel inputs'
+        # gradients in backward (no sequence parallelism)
+        rows.append(row("all_reduce", t, activation, 4 * cfg.n_layer * m, tp_link, "none"))
+        # the gradient norm: one scalar all-reduce per tensor-parallel (sharded) parameter
+        rows.append(row("all_reduce", t, 4, 6 * cfg.n_layer, tp_link, "none"))
+    if cfg.strategy == "pp":
+        rows += pipeline_rows(cfg, params, p, dp, w)
+    return merge(rows)
+
+
+def link_of(cfg, group: str) -> str:
+    """Which link a group crosses: tensor-parallel and pipeline groups are the innermost mesh dimension (inside a
+    node when they fit); a data-parallel group spans nodes as soon as there is more than one."""
+    inner = tp_size(cfg) * pp_size(cfg)
+    if group in ("tp", "pp"):
+        return "intra" if inner <= cfg.devices else "inter"
+    return "inter" if cfg.num_nodes > 1 and data_parallel_size(cfg) > 1 else "intra"
+
+
+def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
+    """ZeRO as DeepSpeed 0.19 issues it in our config (strategies.deepspeed_config) on gloo:
+    ZeRO-1 all-reduces the gradient at the step's boundary and ZeRO-2 after every micro-batch (both ask for an
+    all-reduce of the bucket, not a reduce-scatter), in reduce buckets of 2e8 elements; both all-gather each
+    rank's updated partition per optimizer parameter group (padded to 2·dp elements). ZeRO-3 reduce-scatters the
+    gradient after every micro-batch; parameters under stage3_param_persistence_threshold (1e5 elements) stay
+    whole and are all-gathered once after the step; the others are all-gathered before each micro-batch (at
+    once while they fit stage3_max_live_parameters, 1e9 elements; beyond it, again in backward: unverified)."""
+    w, m, stage = words(cfg), cfg.grad_accum, zero_stage(cfg.strategy)
+    sizes = [numel(s) for _, s in params]
+    rows = []
+    clip = 1 if cfg.grad_clip else 0
+    if stage in (1, 2):
+        for b in buckets(sizes, 2e8):
+            rows.append(row("all_reduce", dp, b * w["grad"], m if stage == 2 else 1, link, "backward"))
+        for group in optimizer_groups(cfg, params):
+            padded = -(-group // (2 * dp)) * 2 * dp
+            rows.append(row("all_gather", dp, padded // dp * w["param"], 1, link, "none"))
+        rows.append(row("all_reduce", dp, 4, 1 + clip, link, "none"))  # the gradient norm (and clipping's)
+    else:
+        for b in buckets(sizes, 2e8):
+            rows.append(row("reduce_scatter", dp, b * w["grad"], m, link, "backward"))
+        persistent = [s for s in sizes if s <= 1e5]
+        rows += [row("all_gather", dp, -(-s // dp) * w["param"], 1, link, "none") for s in persistent]
+        gathered = sum(-(-s // dp) for s in sizes if s > 1e5)
+        if gathered:
+            times = 1 if sum(s for s in sizes if s > 1e5) <= 1e9 else 2
+            rows.append(row("all_gather", dp, gathered * w["param"], times * m, link, "forward"))
+        # the gradient norm (and clipping's): a float64 square on the device, float32 when offloaded
+        rows.append(row("all_reduce", dp, 4 if cfg.strategy.endswith("_offload") else 8, 1 + clip, link, "none"))
+    if cfg.precision == "16-mixed" or (cfg.precision in ("bf16-mixed", "bf16-true") and stage in (1, 2)):
+        rows.append(row("all_reduce", dp, 1, 1, link, "none"))  # the overflow check of the 16-bit optimizer
+    return rows
+
+
+def optimizer_groups(cfg, params) -> list[int]:
+    """Elements per optimizer parameter group: AdamW decays matrices only (two groups), SGD has one."""
+    if cfg.optimizer == "sgd":
+        return [sum(numel(s) for _, s in params)]
+    matrices = sum(numel(s) for _, s in params if len(s) >= 2)
+    return [matrices, sum(numel(s) for _, s in params) - matrices]
+
+
+def fsdp_rows(cfg, params, dp, t, link) -> list[dict]:
+    """FSDP2, one unit per block plus the root: a block is gathered before its forward and again before its
+    backward (resharded after forward), the root once per micro-batch; each unit's gradient is reduce-scattered
+    once per step (no_backward_sync defers it to the last micro-batch). Every parameter is a DTensor, so the
+    gradient norm all-reduces one scalar per parameter tensor."""
+    w, m = words(cfg), cfg.grad_accum
+
+    def shard(shape):  # dim 0 padded to a multiple of dp; tensor parallel has split the matrices t ways first
+        rows_ = -(-shape[0] // dp)
+        return rows_ * numel(shape[1:]) * w["param"]
+
+    tp_split = lambda name, shape: (shape[0], shape[1] // t) if len(shape) == 2 and "h." in name and t > 1 else shape  # noqa: E731
+    blocks: dict = {}
+    root = 0
+    for name, shape in params:
+        size = shard(tp_split(name, shape))
+        if name.startswith("h."):
+            blocks[name.split(".")[1]] = blocks.get(name.split(".")[1], 0) + size
+        else:
+            root += size
+    rows = [row("all_gather", dp, root, m, link, "forward"), row("reduce_scatter", dp, root * dp, 1, link, "backward")]
+    for size in blocks.values():
+        rows += [row("all_gather", dp, size, 2 * m, link, "forward"), row("reduce_scatter", dp, size * dp, 1, link, "backward")]
+    rows.append(row("all_reduce", dp, 4, len(params), link, "none"))
+    return rows
+
+
+def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
+    """Rank 0 is the first stage: it sends each micro-batch's activations forward and receives their gradient
+    back (the same bytes at every stage boundary), all-reduces the tied embedding's gradient with the last
+    stage, then the gradient norm's float64 square over all ranks, and with data parallel its stage's
+    gradients with the stage's replicas, one call per parameter."""
+    m, link = cfg.grad_accum, link_of(cfg, "pp")
+    activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"]
+    rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
+            row("all_reduce", 2 if p > 1 else 1, cfg.vocab_size * cfg.n_embd * w["grad"], 1, link, "none"),
+            row("all_reduce", cfg.devices * cfg.num_nodes, 8, 1, link_of(cfg, "dp"), "none")]
+    if dp > 1:
+        from strategies import stage_blocks
+
+        first = [s for n, s in params if not n.startswith("h.") and n in ("wte", "wpe")] + [
+            s for n, s in params if n.startswith("h.") and int(n.split(".")[1]) in stage_blocks(cfg.n_layer, p, 0)]
+        rows += [row("all_reduce", dp, numel(s) * w["grad"], 1, link_of(cfg, "dp"), "none") for s in first]
+    return rows
+
+
+# ----------------------------------------------------------------------------- time
+ALGORITHM = {  # (bandwidth factor on the bytes one rank hands over, latency hops) for a ring of n
+    "all_reduce": lambda n: (2 * (n - 1) / n, 2 * (n - 1)),
+    "all_gather": lambda n: (n - 1, n - 1),  # each rank hands its shard; n-1 shards arrive
+    "reduce_scatter": lambda n: ((n - 1) / n, n - 1),
+    "broadcast": lambda n: (1, 1), "send": lambda n: (1, 1), "recv": lambda n: (1, 1),
+}
+
+
+def transfer_time(r: dict, cluster: Cluster) -> float:
+    """Seconds of one row: every call of it, latency and bandwidth of the link it crosses."""
+    bw, lat = (cluster.intra_bw, cluster.intra_latency) if r["link"] == "intra" else (cluster.inter_bw, cluster.inter_latency)
+    factor, hops = ALGORITHM.get(r["kind"], lambda n: (1, 1))(r["group_size"])
+    return r["count"] * (hops * lat + factor * r["bytes"] / bw)
+
+
+def flops_per_device(cfg, n_params: int) -> dict:
+    """FLOPs of one optimizer step on the busiest device: the model's (6N + attention per token) and the
+    recomputed forward under checkpointing, split as the strategy splits the work."""
+    h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    head = 6 * V * h  # the LM head's matmul per token (the embedding lookup costs no FLOPs)
+    total = accounting.flops_per_token(cfg, n_params)["standard"]
+    blocks = total - head
+    recompute = (blocks / 3) if cfg.grad_checkpointing else 0  # one more forward of every block
+    dp, t, p = data_parallel_size(cfg), tp_size(cfg), pp_size(cfg)
+    tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
+    if cfg.strategy == "pp":
+        per_block = (blocks + recompute) / L
+        first = len(range(-(-L // p))) * per_block
+        last = (L // p) * per_block + head
+        busiest = max(first, last) if p > 1 else L * per_block + head
+        return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest * tokens,
+                "per_micro_batch": busiest * tokens / cfg.grad_accum}
+    # tensor parallel splits the blocks' matmuls; the LM head is replicated on every tensor-parallel rank
+    busiest = ((blocks + recompute) / t + head) * tokens
+    return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest,
+            "per_micro_batch": busiest / cfg.grad_accum}
+
+
+def offload_time(cfg, cluster: Cluster, n_params: int) -> tuple[float, dict]:
+    """ZeRO-Offload per step and device: the gradient partition to the host and the updated 16/32-bit partition
+    back over PCIe, the host's Adam, ZeRO-3's parameters fetched for every micro-batch's forward and backward,
+    and NVMe: fp32 master weights and both moments read and written once."""
+    if not cfg.strategy.endswith("_offload"):
+        return 0.0, {}
+    w, dp = words(cfg), data_parallel_size(cfg)
+    part = n_params / dp
+    pcie = part * (w["grad"] + w["param"])
+    if zero_stage(cfg.strategy) == 3:
+        pcie += 2 * cfg.grad_accum * part * w["param"]
+    nvme = 2 * 12 * part * cfg.devices if cfg.nvme_path else 0  # the node's devices share its drives
+    parts = {"pcie_bytes": pcie, "pcie_s": pcie / cluster.pcie_bw, "host_adam_s": part / cluster.host_adam_params_per_s,
+             "nvme_bytes": nvme, "nvme_s": nvme / cluster.nvme_bw}
+    return parts["pcie_s"] + parts["host_adam_s"] + parts["nvme_s"], parts
+
+
+def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
+    """Step time broken down, throughput, MFU and the days to train on `tokens`."""
+    dtype = accounting.dtype_kind(cfg.precision)
+    peak = cluster.peak_flops.get(dtype) or next(iter(cluster.peak_flops.values()))
+    rate = peak * cluster.efficiency
+    flops = flops_per_device(cfg, n_params)
+    m, p = cfg.grad_accum, pp_size(cfg)
+    compute = flops["busiest"] / rate
+    bubble = (p - 1) * flops["per_micro_batch"] / rate if cfg.strategy == "pp" else 0.0
+    comm = comm_table(cfg, n_params)
+    by_overlap = {"none": 0.0, "backward": 0.0, "forward": 0.0}
+    for r in comm:
+        r["time_s"] = transfer_time(r, cluster)
+        by_overlap[r["overlap"]] += r["time_s"]
+    comm_s = sum(by_overlap.values())
+    if cluster.overlap:  # gradient reductions hide behind backward (2/3 of compute), gathers behind the rest
+        hidden_bwd = min(by_overlap["backward"], 2 / 3 * compute)
+        hidden_fwd = min(by_overlap["forward"], compute - hidden_bwd)
+        exposed = comm_s - hidden_bwd - hidden_fwd
+    else:
+        exposed = comm_s
+    offload, offload_parts = offload_time(cfg, cluster, n_params)
+    step = compute + bubble + exposed + offload
+    dp = data_parallel_size(cfg)
+    tokens_per_step = cfg.micro_batch_size * m * dp * cfg.seq_len
+    tokens_s = tokens_per_step / step
+    world = cfg.devices * cfg.num_nodes
+    model_flops = accounting.flops_per_token(cfg, n_params)["standard"]
+    out = {"cluster": cluster.name, "device": cluster.device, "peak_flops": peak, "efficiency": cluster.efficiency,
+           "step_time_s": step, "compute_s": compute, "comm_s": comm_s, "comm_exposed_s": exposed, "bubble_s": bubble,
+           "offload_s": offload, "offload": offload_parts, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_s,
+           "mfu": model_flops * tokens_s / (world * peak), "comm": comm,
+           "comm_bytes": sum(r["bytes"] * r["count"] for r in comm)}
+    if tokens:
+        out.update(tokens=tokens, train_days=tokens / tokens_s / 86400, device_hours=tokens / tokens_s / 3600 * world)
+    return out
+
+
+# ----------------------------------------------------------------------------- plans and the search
+def cluster_of_gpu(name: str) -> str | None:
+    chip = accounting.gpu_chip(name)
+    return {"a100": "a100-sxm-80g", "h100 sxm": "h100-sxm", "h200 sxm": "h200-sxm", "h100 pcie": "h100-pcie"}.get(chip)
+
+
+def check_plannable(cfg, cluster: Cluster) -> None:
+    """Refuse what the cluster cannot run, with the flag and the fix."""
+    if cfg.devices > cluster.devices_per_node:
+        raise PlanError(f"--devices {cfg.devices}: a {cluster.name} node has {cluster.devices_per_node} devices; "
+                        f"use --devices {cluster.devices_per_node} --num-nodes {-(-cfg.devices // cluster.devices_per_node)}")
+    if tp_size(cfg) > cfg.devices:
+        raise PlanError(f"tensor parallel over {tp_size(cfg)} devices is larger than a node's {cfg.devices}: its "
+                        "all-reduces in every block need the node's NVLink; use --strategy fsdp_tp --tp-size "
+                        f"{cfg.devices} (or fewer) so that data parallel spans the nodes")
+    if cfg.nvme_path and cluster.nvme_bw <= 0:
+        raise PlanError(f"--nvme-path: a {cluster.name} node has no NVMe drive in its preset; offload to CPU memory "
+                        "(drop --nvme-path) or plan for another --cluster")
+
+
+def full_plan(cfg, cluster: Cluster, n_params: int, attn: str, tokens: float = 0) -> dict:
+    """Memory (accounting.memory_plan) and time together, as --plan prints and --plan-json writes them."""
+    gpu = cluster.name != "cpu"
+    plan = accounting.memory_plan(replace(cfg, accelerator="cuda" if gpu else "cpu"), n_params, attn)
+    t = time_plan(cfg, cluster, n_params, tokens)
+    # on a CPU every process shares the host's memory; a GPU has its own
+    need = plan["total"] * (1 if gpu else cfg.devices)
+    fits = bool(need < 0.9 * cluster.memory_bytes)
+    keys = ("step_time_s", "compute_s", "comm_s", "comm_exposed_s", "bubble_s", "offload_s", "tokens_per_s", "mfu",
+            "train_days", "device_hours", "comm")
+    return {**plan, "memory_per_device_bytes": plan["total"], "memory_available_bytes": cluster.memory_bytes,
+            "fits": fits, **{k: t[k] for k in keys if k in t}, "time": t, "cluster_source": cluster.source}
+
+
+def write_json(path: str, result: dict) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=float))
+    os.replace(tmp, path)  # atomically: a reader never sees half a plan
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg, cluster: Cluster, global_batch: int):
+    """Every strategy x tp x pp x micro-batch x checkpointing x offload this cluster and batch allow."""
+    world = cfg.devices * cfg.num_nodes
+    layouts = [("auto", 0, 0)] if world == 1 else []
+    if world > 1:
+        layouts += [(s, 0, 0) for s in ("ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3",
+                                         "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")]
+        if world <= cfg.devices and cfg.n_head % world == 0:
+            layouts.append(("tp", 0, 0))
+        layouts += [("fsdp_tp", t, 0) for t in divisors(cfg.devices) if 1 < t < world and cfg.n_head % t == 0]
+        layouts += [("pp", 0, p) for p in divisors(world) if 1 < p <= cfg.n_layer]
+    for strategy, t, p in layouts:
+        dp = world // ((t or (world if strategy == "tp" else 1)) * (p or 1))
+        for micro in (1, 2, 4, 8, 16, 32, 64):
+            if global_batch % (micro * dp):
+                continue
+            accum = global_batch // (micro * dp)
+            if strategy == "pp" and accum < p:
+                continue
+            for ckpt in (False, True):
+                nvme = ("", "/nvme") if strategy == "deepspeed_stage_3_offload" and cluster.nvme_bw > 0 else ("",)
+                for path in nvme:
+                    yield replace(cfg, strategy=strategy, tp_size=t, pp_size=p, micro_batch_size=micro, grad_accum=accum,
+                                  grad_checkpointing=ckpt, nvme_path=path, search=False)
+
+
+def search(cfg, cluster: Cluster, count_parameters) -> list[dict]:
+    """Every candidate's plan; those that fit, fastest first. Nothing fits: a PlanError with the smallest."""
+    world = cfg.devices * cfg.num_nodes
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
+    n_params, attn = count_parameters(cfg)
+    rows, smallest = [], None
+    for c in candidates(cfg, cluster, global_batch):
+        if c.precision == "16-mixed" and c.strategy in ("fsdp", "tp", "fsdp_tp", "pp"):
+            continue  # refused by fabric_gpt.py
+        plan = full_plan(c, cluster, n_params, attn, cfg.tokens)
+        entry = {"strategy": c.strategy, "tp": tp_size(c), "pp": pp_size(c), "dp": data_parallel_size(c),
+                 "micro_batch": c.micro_batch_size, "grad_accum": c.grad_accum, "checkpointing": c.grad_checkpointing,
+                 "nvme": bool(c.nvme_path), "memory_per_device_bytes": plan["total"], "fits": plan["fits"],
+                 **{k: plan[k] for k in ("step_time_s", "compute_s", "comm_s", "comm_exposed_s", "bubble_s", "offload_s",
+                                         "tokens_per_s", "mfu", "train_days", "device_hours") if k in plan}}
+        if smallest is None or plan["total"] < smallest[1]["total"]:
+            smallest = (entry, plan)
+        if plan["fits"]:
+            rows.append(entry)
+    if not rows:
+        entry, plan = smallest
+        parts = ", ".join(f"{k} {plan[k] / 2**30:.1f}" for k in ("params", "grads", "optimizer", "master", "gathered_layer",
+                                                                 "activations") if plan[k])
+        raise PlanError(f"{cfg.model} ({n_params / 1e9:.2f}B parameters) fits nowhere on {world} x {cluster.device} "
+                        f"at a global batch of {global_batch}: the smallest plan, {entry['strategy']} (tp {entry['tp']}, "
+                        f"pp {entry['pp']}, micro-batch {entry['micro_batch']}, checkpointing {entry['checkpointing']}), "
+                        f"needs {plan['total'] / 2**30:.1f} GiB per device ({parts} GiB) of "
+                        f"{0.9 * cluster.memory_bytes / 2**30:.1f} usable. Add devices or nodes, or a smaller micro-batch")
+    rows.sort(key=lambda r: -r["tokens_per_s"])
+    return rows
+
+
+def print_search(cfg, cluster: Cluster, rows: list[dict], top: int = 12) -> None:
+    world = cfg.devices * cfg.num_nodes
+    print(f"search: {cfg.model} on {cfg.num_nodes} x {cfg.devices} {cluster.device}, {cfg.precision}, global batch "
+          f"{rows[0]['micro_batch'] * rows[0]['grad_accum'] * rows[0]['dp']} x {cfg.seq_len} tokens; peak x efficiency "
+          f"{cluster.efficiency:.2f}; {len(rows)} plans fit, fastest first (predicted)")
+    days = "train_days" in rows[0]
+    print(f"  {'strategy':<27}{'tp':>3}{'pp':>3}{'dp':>5}{'micro':>6}{'accum':>6} ckpt  {'GiB/dev':>8}{'step ms':>10}"
+          f"{'tokens/s':>12}{'MFU':>6}" + ("    days" if days else ""))
+    for r in rows[:top]:
+        name = r["strategy"] + (" (nvme)" if r["nvme"] else "")
+        print(f"  {name:<27}{r['tp']:>3}{r['pp']:>3}{r['dp']:>5}{r['micro_batch']:>6}{r['grad_accum']:>6} "
+              f"{'yes ' if r['checkpointing'] else 'no  '} {r['memory_per_device_bytes'] / 2**30:>8.1f}"
+              f"{1e3 * r['step_time_s']:>10.1f}{r['tokens_per_s']:>12,.0f}{100 * r['mfu']:>5.1f}%"
+              + (f"{r['train_days']:>8.1f}" if days else ""))
+    best = {}
+    for r in rows:
+        best.setdefault(r["strategy"], r)
+    if world > 1:
+        print(f"  the fastest plan of each strategy: " + ", ".join(
+            f"{s} {b['tokens_per_s']:,.0f} tok/s" for s, b in best.items()))
