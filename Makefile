@@ -19,14 +19,17 @@ LENET_FLAGS = $(FABRIC_FLAGS) $(call flag,EPOCHS,--epochs) $(call flag,BATCH,--b
 GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps) $(call flag,MICRO_BATCH,--micro-batch-size) \
 	$(call flag,ACCUM,--grad-accum) $(call flag,SAMPLES,--num-samples) $(call flag,SEQ,--seq-len) \
 	$(if $(filter 1 yes true,$(CKPT)),--grad-checkpointing) $(call flag,NVME,--nvme-path) $(call flag,TP,--tp-size) \
-	$(call flag,PP,--pp-size) $(call flag,PP_SCHEDULE,--pp-schedule) $(call flag,OPTIMIZER,--optimizer) $(ARGS)
+	$(call flag,PP,--pp-size) $(call flag,PP_SCHEDULE,--pp-schedule) $(call flag,OPTIMIZER,--optimizer) \
+	$(call flag,CLUSTER,--cluster) $(call flag,TOKENS,--tokens) $(call flag,PLAN_JSON,--plan-json) \
+	$(if $(filter 1 yes true,$(SEARCH)),--search) $(if $(filter 1 yes true,$(COUNT_COMMS)),--count-comms) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab gpu-check data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-plan bench-gpt report clean
+.PHONY: help setup lab gpu-check data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt plan gpt-plan bench-gpt report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
+	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DEVICES NODES STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags' | FORCE=1 STAGES=a,b (lab)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
@@ -93,8 +96,10 @@ bench-lenet: $(SETUP) ## LeNet-5 samples/s (DataLoader vs in-memory) and time to
 gpt: $(SETUP) ## train GPT-2 on random tokens (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
 	$(PY) fabric_gpt.py $(GPT_FLAGS)
 
-gpt-plan: $(SETUP) ## print the per-device memory plan for MODEL/STRATEGY/DEVICES without training
+plan: $(SETUP) ## predict memory, step time, traffic and days (MODEL STRATEGY DEVICES NODES CLUSTER TOKENS SEARCH=1 PLAN_JSON)
 	$(PY) fabric_gpt.py --plan $(GPT_FLAGS)
+
+gpt-plan: plan ## the same as make plan (its earlier name)
 
 bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
 	$(PY) bench.py gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)

@@ -91,6 +91,11 @@ def bench_lenet(args) -> None:
         t99 = f"{m['time_to_99_0_max_s']:.1f}" if m["time_to_99_0_max_s"] is not None else "not reached in every seed"
         lines.append(f"| {recipe} | `{flags}` | {100 * m['acc_mean']:.2f}% ± {100 * m['acc_std']:.2f} | {100 * m['acc_min']:.2f}% | "
                      f"{m['train_s_mean']:.1f} | {m['samples_per_s_mean']:,.0f} | {m['samples_per_s_mean'] / base:.1f}x | {t99} |")
+    errors = [abs(r["prediction_error"]) for r in rows if r["record"]]
+    if errors:
+        ratios = [max(1 + e, 1 / (1 + e)) for e in (r["prediction_error"] for r in rows if r["record"])]
+        lines += ["", f"Predicted (perf_model.py, efficiency {_efficiency(args)}) against measured step time: median "
+                      f"absolute error {100 * statistics.median(errors):.0f}%, worst {max(ratios):.2f}x off."]
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
@@ -173,29 +178,65 @@ def device_memory_bytes() -> float:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def write_table(out: Path, args, rows: list) -> None:
-    singles = {r["precision"]: r["record"]["tokens_per_s"] for r in rows if r["strategy"] == "auto" and r["record"]}
-    lines = [f"Model `{args.model}`, {args.num_samples} samples, global batch {args.micro_batch_size * args.devices}, "
-             f"accelerator {args.accelerator}; speed-up is tokens/s over the single-device run of the same precision.",
-             "", "| strategy | precision | devices | step ms | tokens/s | TFLOPS/device | MFU | peak mem GiB | planned GiB | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def predict(rows: list, accelerator: str) -> None:
+    """Each row's predicted step time beside the measured one: perf_model for the run's own settings, on CPU
+    with this machine's matmul probe and gloo link measured here (one process, all cores, as the runs share them)."""
+    import perf_model
+    import fabric_gpt
+
+    clusters = {}
     for r in rows:
         rec = r["record"]
         if rec is None:
-            lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | failed: {r['error'][:80]} | | | | | | |")
+            continue
+        fields = {f.name for f in dataclasses.fields(fabric_gpt.Config)}
+        cfg = fabric_gpt.resolve(fabric_gpt.Config(**{k: v for k, v in rec["config"].items() if k in fields}))
+        if accelerator == "cpu":  # this machine measured once per precision: matmul probe and gloo link
+            if cfg.precision not in clusters:
+                clusters[cfg.precision] = perf_model.cluster_named("cpu", cfg.precision)
+            cluster = clusters[cfg.precision]
+        else:
+            cluster = perf_model.cluster_named(perf_model.cluster_of_gpu(rec["device_name"]) or perf_model.DEFAULT_GPU_CLUSTER)
+        plan = perf_model.time_plan(cfg, cluster, rec["n_params"])
+        r["predicted_step_s"] = plan["step_time_s"]
+        r["prediction_error"] = plan["step_time_s"] / rec["step_time_s"] - 1
+
+
+def write_table(out: Path, args, rows: list) -> None:
+    predict(rows, args.accelerator)
+    singles = {r["precision"]: r["record"]["tokens_per_s"] for r in rows if r["strategy"] == "auto" and r["record"]}
+    lines = [f"Model `{args.model}`, {args.num_samples} samples, global batch {args.micro_batch_size * args.devices}, "
+             f"accelerator {args.accelerator}; speed-up is tokens/s over the single-device run of the same precision.",
+             "", "| strategy | precision | devices | step ms | predicted ms | error | tokens/s | TFLOPS/device | MFU | peak mem GiB | planned GiB | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = r["record"]
+        if rec is None:
+            lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | failed: {r['error'][:80]} | | | | | | | | |")
             continue
         mem = rec["memory"].get("max_allocated_gb", rec["memory"].get("max_rss_gb"))
         mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "unknown"
         base = singles.get(r["precision"])
         speedup = f"{rec['tokens_per_s'] / base:.2f}x" if base else "n/a"
         lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {1e3 * rec['step_time_s']:.1f} | "
-                     f"{rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | {mem:.2f} | "
+                     f"{1e3 * r['predicted_step_s']:.1f} | {100 * r['prediction_error']:+.0f}% | {rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | {mem:.2f} | "
                      f"{rec['planned_gb']:.3g} | {speedup} |")
+    errors = [abs(r["prediction_error"]) for r in rows if r["record"]]
+    if errors:
+        ratios = [max(1 + e, 1 / (1 + e)) for e in (r["prediction_error"] for r in rows if r["record"])]
+        lines += ["", f"Predicted (perf_model.py, efficiency {_efficiency(args)}) against measured step time: median "
+                      f"absolute error {100 * statistics.median(errors):.0f}%, worst {max(ratios):.2f}x off."]
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
     write_json_atomic(out / "bench.json", {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows})
     print(f"wrote {out}/table.md and bench.json")
+
+
+def _efficiency(args) -> str:
+    import perf_model
+
+    return f"{perf_model.CPU_EFFICIENCY} of the machine's matmul probe" if args.accelerator == "cpu" else "of the preset"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -397,7 +397,9 @@ def print_summary(fabric: Fabric, r: dict) -> None:
                  f"{'TFLOPS per device':<22}{r['tflops_per_device']:.3f} (6N+attention), {r['tflops_per_device_8n']:.3f} (course, 8N)\n"
                  f"{'MFU':<22}{mfu}\n"
                  f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
-                 f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}")
+                 f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}"
+                 + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} at "
+                    f"efficiency {r['predicted']['efficiency']} (perf_model.py)" if r.get("predicted") else ""))
 
 
 def plan_cluster(cfg: Config) -> "perf_model.Cluster":
@@ -613,6 +615,7 @@ def run(cfg: Config) -> dict:
                             for k, v in accounting.held_bytes(strategies.local_module(model, cfg.strategy), optimizer).items()}
     if cfg.count_comms:
         record.update(comm_record(cfg, result["comms"], n_params))
+    record["predicted"] = predicted_step(cfg, record, n_params)
     if cfg.export:
         export = strategies.export_state_dict(fabric, model, cfg)
         if fabric.global_rank == 0:
@@ -620,6 +623,16 @@ def run(cfg: Config) -> dict:
     record = run.finish(record)
     print_summary(fabric, record)
     return record
+
+
+def predicted_step(cfg: Config, record: dict, n_params: int) -> dict | None:
+    """On a GPU the performance model has a preset for: its step time for these settings, beside the measured."""
+    name = perf_model.cluster_of_gpu(record["device_name"]) if record["device"] == "cuda" else None
+    if name is None:
+        return None
+    t = perf_model.time_plan(cfg, perf_model.CLUSTERS[name], n_params)
+    return {"cluster": name, "efficiency": t["efficiency"], "step_time_s": t["step_time_s"],
+            "tokens_per_s": t["tokens_per_s"], "mfu": t["mfu"]}
 
 
 def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:

@@ -362,7 +362,10 @@ def big_model_verdict(r: dict) -> tuple[bool, str]:
     mfu = (f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOPS" if r["mfu"] is not None
            else f"MFU unknown ({r['peak_flops_source']})")
     setup = r.get("memory_setup", {}).get("max_allocated_gb")
-    return (r["final_loss"] == r["final_loss"] and mem <= 1.25 * r["planned_gb"],
+    predicted = r.get("predicted")
+    step = (f"step {1e3 * r['step_time_s']:.0f} ms vs predicted {1e3 * predicted['step_time_s']:.0f} ms "
+            f"({predicted['cluster']}, efficiency {predicted['efficiency']}), " if predicted else "")
+    return (r["final_loss"] == r["final_loss"] and mem <= 1.25 * r["planned_gb"], step +
             f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / {r['tflops_per_device_8n']:.1f} "
             f"(8N), {mfu}, training peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB"
             + (f" (set-up peak {setup:.1f})" if setup is not None else ""))

@@ -8,6 +8,7 @@ Times follow from them: a collective over n ranks moving B bytes per rank costs 
 bandwidth times the ring algorithm's factor (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n).
 """
 
+import functools
 import math
 import statistics
 import time
@@ -37,6 +38,8 @@ class Cluster:
     host_adam_params_per_s: float  # DeepSpeed's CPU Adam on the node's host, parameters per second per device
     efficiency: float  # achievable fraction of the peak in training matmuls (an input; printed with every figure)
     overlap: bool = True  # communication on its own engine (NCCL on a GPU); CPU cores do both in turn
+    shared_cores: bool = False  # CPU processes share one machine's cores: peak_flops is the machine's, and a rank
+    # that waits (a pipeline stage in its bubble) leaves its cores to the others
     source: str = ""
 
 
@@ -99,7 +102,7 @@ def measured_cpu_cluster(precision: str) -> Cluster:
     return Cluster("cpu", "this CPU (measured)", {kind: peak}, psutil.virtual_memory().total, 64,
                    intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth, inter_latency=latency,
                    pcie_bw=math.inf, nvme_bw=2 * GB, host_adam_params_per_s=2e8, efficiency=CPU_EFFICIENCY,
-                   overlap=False, source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), gloo all-reduce latency "
+                   overlap=False, shared_cores=True, source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), gloo all-reduce latency "
                                          f"{latency * 1e6:.0f} us and bandwidth {bandwidth / GB:.2f} GB/s")
 
 
@@ -108,6 +111,7 @@ def measured_cpu_cluster(precision: str) -> Cluster:
 CPU_EFFICIENCY = 0.5
 
 
+@functools.cache
 def measure_gloo_link(sizes=(1, 1 << 22)) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of an all-reduce between 2 local processes over gloo: the time of a
     4-byte call, and the slope between it and a 16 MiB one, divided by the ring's 2(n-1)/n = 1."""
@@ -368,11 +372,12 @@ def flops_per_device(cfg, n_params: int) -> dict:
         last = (L // p) * per_block + head
         busiest = max(first, last) if p > 1 else L * per_block + head
         return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest * tokens,
-                "per_micro_batch": busiest * tokens / cfg.grad_accum}
+                "per_micro_batch": busiest * tokens / cfg.grad_accum,
+                "all_ranks": (L * per_block + head) * tokens * dp}
     # tensor parallel splits the blocks' matmuls; the LM head is replicated on every tensor-parallel rank
     busiest = ((blocks + recompute) / t + head) * tokens
     return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest,
-            "per_micro_batch": busiest / cfg.grad_accum}
+            "per_micro_batch": busiest / cfg.grad_accum, "all_ranks": busiest * cfg.devices * cfg.num_nodes}
 
 
 def offload_time(cfg, cluster: Cluster, n_params: int) -> tuple[float, dict]:
@@ -399,8 +404,11 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     rate = peak * cluster.efficiency
     flops = flops_per_device(cfg, n_params)
     m, p = cfg.grad_accum, pp_size(cfg)
-    compute = flops["busiest"] / rate
-    bubble = (p - 1) * flops["per_micro_batch"] / rate if cfg.strategy == "pp" else 0.0
+    if cluster.shared_cores:  # the machine's cores do every rank's work, a waiting stage's cores included
+        compute, bubble = flops["all_ranks"] / rate, 0.0
+    else:
+        compute = flops["busiest"] / rate
+        bubble = (p - 1) * flops["per_micro_batch"] / rate if cfg.strategy == "pp" else 0.0
     comm = comm_table(cfg, n_params)
     by_overlap = {"none": 0.0, "backward": 0.0, "forward": 0.0}
     for r in comm:
@@ -534,7 +542,7 @@ def search(cfg, cluster: Cluster, count_parameters) -> list[dict]:
                         f"pp {entry['pp']}, micro-batch {entry['micro_batch']}, checkpointing {entry['checkpointing']}), "
                         f"needs {plan['total'] / 2**30:.1f} GiB per device ({parts} GiB) of "
                         f"{0.9 * cluster.memory_bytes / 2**30:.1f} usable. Add devices or nodes, or a smaller micro-batch")
-    rows.sort(key=lambda r: -r["tokens_per_s"])
+    rows.sort(key=lambda r: (-round(r["tokens_per_s"], 6), r["memory_per_device_bytes"]))  # ties: less memory first
     return rows
 
 
@@ -552,9 +560,33 @@ def print_search(cfg, cluster: Cluster, rows: list[dict], top: int = 12) -> None
               f"{'yes ' if r['checkpointing'] else 'no  '} {r['memory_per_device_bytes'] / 2**30:>8.1f}"
               f"{1e3 * r['step_time_s']:>10.1f}{r['tokens_per_s']:>12,.0f}{100 * r['mfu']:>5.1f}%"
               + (f"{r['train_days']:>8.1f}" if days else ""))
-    best = {}
+    print_per_strategy(rows, single_device_baseline(cfg, cluster))
+
+
+def single_device_baseline(cfg, cluster: Cluster) -> dict | None:
+    """The fastest plan that trains the same global batch on one device, or None when nothing fits one."""
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
+    one = replace(cfg, devices=1, num_nodes=1, strategy="auto", tp_size=0, pp_size=0, micro_batch_size=global_batch,
+                  grad_accum=1, nvme_path="")
+    import fabric_gpt
+
+    try:
+        return search(one, cluster, fabric_gpt.count_parameters)[0]
+    except PlanError:
+        return None
+
+
+def print_per_strategy(rows: list[dict], single: dict | None) -> None:
+    """The bonus table: each strategy's fastest plan, its memory and its speed-up over one device."""
+    best: dict = {}
     for r in rows:
-        best.setdefault(r["strategy"], r)
-    if world > 1:
-        print(f"  the fastest plan of each strategy: " + ", ".join(
-            f"{s} {b['tokens_per_s']:,.0f} tok/s" for s, b in best.items()))
+        best.setdefault(r["strategy"] + (" (nvme)" if r["nvme"] else ""), r)
+    base = single["tokens_per_s"] if single else None
+    print("  each strategy's fastest plan against one device" + (
+        f" ({single['tokens_per_s']:,.0f} tokens/s at micro-batch {single['micro_batch']} x {single['grad_accum']}"
+        f"{', checkpointing' if single['checkpointing'] else ''}):" if single else " (nothing fits one device):"))
+    for name, r in best.items():
+        speedup = f"{r['tokens_per_s'] / base:5.2f}x" if base else "  n/a"
+        print(f"    {name:<31}{r['memory_per_device_bytes'] / 2**30:6.1f} GiB {1e3 * r['step_time_s']:9.1f} ms "
+              f"{r['tokens_per_s']:>10,.0f} tokens/s  {speedup}  (tp {r['tp']}, pp {r['pp']}, micro {r['micro_batch']} x "
+              f"{r['grad_accum']}{', ckpt' if r['checkpointing'] else ''})")

@@ -14,6 +14,7 @@ import torch
 
 from conftest import REPO, run_in_process, run_script
 import accounting
+import comm_counter
 import fabric_gpt as gpt
 import strategies
 
@@ -84,7 +85,7 @@ def two_process(tmp_path_factory):
     def get(name):
         if name not in done:
             strategy = name.removesuffix("_gpipe")
-            run_gpt(out, name, "--strategy", strategy, "--devices", "2", *TWO_PROCESS[name], base=EXACT)
+            run_gpt(out, name, "--strategy", strategy, "--devices", "2", *TWO_PROCESS[name], "--count-comms", base=EXACT)
             done.add(name)
         return out, name
     return get
@@ -118,6 +119,26 @@ def test_strategy_equals_one_process(single, two_process, name):
 OFFLOAD = ["--devices", "2", "--micro-batch-size", "2"]
 
 
+def comm_rows(table: list) -> list:
+    """Transfers of groups of 2 or more (a group of one moves nothing), as comparable tuples."""
+    return sorted((r["kind"], r["group_size"], r["bytes"], r["count"]) for r in table if r["group_size"] > 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*TWO_PROCESS, "deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
+def test_counted_traffic_equals_the_plan(two_process, offload_run, name):
+    """What each rank issued in one optimizer step after warm-up (DDP's reducer, FSDP2, DTensor, DeepSpeed and the
+    pipeline schedules, as the dispatcher saw them) equals perf_model's table call for call: every kind, group,
+    size and count, with accumulation 2 (data parallel, pipelines) and 1 (tp, offload)."""
+    out, run = offload_run(name) if name.endswith("_offload") else two_process(name)
+    rec = record(out, run)
+    assert rec["comm_counted_step"] == 3  # after the 2 warm-up steps (DDP rebuilds its buckets in step 2)
+    planned = comm_rows(rec["comm_planned"])
+    assert planned and comm_rows(rec["comm_counted"]) == planned
+    for table in rec["comm_counted_by_rank"]:  # 2 ranks (2 stages under pp) hand over the same bytes per kind
+        assert comm_counter.bytes_by_kind(table) == comm_counter.bytes_by_kind(rec["comm_planned"])
+
+
 @pytest.fixture(scope="module")
 def offload_run(tmp_path_factory):
     """Uninterrupted 2-process ZeRO-Offload runs, each made once: compared with one process, and the ZeRO-3 one
@@ -126,7 +147,7 @@ def offload_run(tmp_path_factory):
 
     def get(strategy: str):
         if not (out / strategy / "record.json").exists():
-            run_gpt(out, strategy, "--strategy", strategy, *OFFLOAD)
+            run_gpt(out, strategy, "--strategy", strategy, *OFFLOAD, "--count-comms")
         return out, strategy
     return get
 

@@ -1,0 +1,123 @@
+"""The performance model (perf_model.py): the plan's JSON, the time arithmetic against hand-worked figures, the
+search, and the refusals. That its transfers are the ones the strategies issue is proven in test_gpt.py, against
+the counted traffic of real 2-process runs."""
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import run_in_process
+import fabric_gpt as gpt
+import perf_model
+
+ONE_GB = perf_model.GB
+# A made-up node whose figures make the arithmetic easy to follow
+TOY = perf_model.Cluster("toy", "toy GPU", {"bf16": 100e12, "fp32": 10e12, "fp16": 100e12}, 80 * ONE_GB, 8,
+                         intra_bw=100 * ONE_GB, intra_latency=0.0, inter_bw=10 * ONE_GB, inter_latency=0.0,
+                         pcie_bw=10 * ONE_GB, nvme_bw=1 * ONE_GB, host_adam_params_per_s=1e9, efficiency=0.5)
+
+
+def cfg_of(**kw):
+    return gpt.resolve(gpt.Config(**{"model": "1.6b", "precision": "bf16-mixed", "micro_batch_size": 1, **kw}))
+
+
+def test_plan_json_holds_memory_time_and_the_transfers(tmp_path):
+    path = tmp_path / "plan" / "1.6b.json"
+    proc = run_in_process("fabric_gpt.py", "--model", "1.6b", "--plan", "--cluster", "a100-sxm-80g", "--devices", "2",
+                          "--strategy", "deepspeed_stage_2", "--precision", "bf16-mixed", "--tokens", "1e9",
+                          "--plan-json", path)
+    plan = json.loads(path.read_text())
+    for key in ("memory_per_device_bytes", "fits", "step_time_s", "compute_s", "comm_s", "bubble_s", "offload_s",
+                "tokens_per_s", "mfu", "train_days", "comm"):
+        assert key in plan, key
+    assert plan["fits"] is True and plan["bubble_s"] == 0 and plan["offload_s"] == 0
+    assert plan["train_days"] == pytest.approx(1e9 / plan["tokens_per_s"] / 86400)
+    kinds = {r["kind"] for r in plan["comm"]}
+    assert kinds == {"all_reduce", "all_gather"} and all(r["group_size"] == 2 and r["count"] >= 1 for r in plan["comm"])
+    # ZeRO-2 all-reduces the bf16 gradient (2 bytes per parameter) once per micro-batch, here one
+    grads = sum(r["bytes"] * r["count"] for r in plan["comm"] if r["kind"] == "all_reduce" and r["bytes"] > 8)
+    assert grads == 2 * plan["n_params"]
+    assert "time plan on 1 x 2 NVIDIA A100 80GB SXM" in proc.stdout and "days" in proc.stdout
+
+
+def test_ddp_step_time_is_compute_plus_the_ring_all_reduce_left_over():
+    """1.6B, ddp on 8 toy GPUs, 32-true (grads 4 bytes): all-reduce 2(n-1)/n x 4P bytes at 100 GB/s; compute
+    6N+attention per token at 10 TFLOPS x 0.5; the all-reduce hides behind backward (2/3 of compute)."""
+    cfg = cfg_of(strategy="ddp", devices=8, precision="32-true")
+    n = gpt.count_parameters(cfg)[0]
+    t = perf_model.time_plan(cfg, TOY, n)
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    compute = (6 * n + 12 * 48 * 1600 * 1024) * tokens / 5e12
+    comm = 2 * 7 / 8 * 4 * n / 100e9
+    assert t["compute_s"] == pytest.approx(compute, rel=1e-9)
+    assert t["comm_s"] == pytest.approx(comm, rel=1e-9)
+    assert t["step_time_s"] == pytest.approx(compute + max(0, comm - 2 / 3 * compute), rel=1e-9)
+    no_overlap = perf_model.time_plan(cfg, dataclasses.replace(TOY, overlap=False), n)
+    assert no_overlap["step_time_s"] == pytest.approx(compute + comm, rel=1e-9)
+
+
+def test_pipeline_bubble_and_the_last_stage_head():
+    """p stages, m micro-batches: the bubble is (p-1)/(m+p-1) of the pipeline's time, set by the busiest stage,
+    the last (its blocks plus the LM head)."""
+    for p, m in ((2, 2), (4, 8), (8, 8)):
+        cfg = cfg_of(strategy="pp", devices=p, grad_accum=m)
+        n = gpt.count_parameters(cfg)[0]
+        t = perf_model.time_plan(cfg, TOY, n)
+        assert t["bubble_s"] / (t["bubble_s"] + t["compute_s"]) == pytest.approx((p - 1) / (m + p - 1))
+        flops = perf_model.flops_per_device(cfg, n)
+        assert flops["busiest"] > flops["model"]  # the head makes the last stage more than an even share
+
+
+def test_tensor_parallel_all_reduces_every_block_forward_and_backward():
+    cfg = cfg_of(strategy="tp", devices=4, micro_batch_size=2, grad_accum=3)
+    acts = [r for r in perf_model.comm_table(cfg) if r["bytes"] > 8]
+    assert acts == [dict(acts[0], bytes=1024 * 2 * 1600 * 2, count=4 * 48 * 3)]  # s·b·h bf16, 4 per block per micro-batch
+
+
+def test_offload_moves_partitions_over_pcie_and_nvme():
+    cfg = cfg_of(strategy="deepspeed_stage_3_offload", devices=2, nvme_path="/nvme")
+    n = gpt.count_parameters(cfg)[0]
+    t = perf_model.time_plan(cfg, TOY, n)
+    parts = t["offload"]
+    # bf16 gradient partition out, bf16 weights back, and ZeRO-3's weights fetched for forward and backward
+    assert parts["pcie_bytes"] == pytest.approx(n / 2 * (2 + 2) + 2 * 1 * n / 2 * 2)
+    assert parts["nvme_bytes"] == pytest.approx(2 * 12 * n / 2 * 2)
+    assert t["offload_s"] == pytest.approx(parts["pcie_s"] + parts["host_adam_s"] + parts["nvme_s"])
+
+
+def test_search_ranks_what_fits_fastest_first(capsys):
+    proc = run_in_process("fabric_gpt.py", "--model", "1.6b", "--search", "--cluster", "a100-sxm-80g", "--devices", "2",
+                          "--precision", "bf16-mixed", "--micro-batch-size", "8", "--plan-json", "/dev/null")
+    cfg = cfg_of(devices=2, micro_batch_size=8)
+    rows = perf_model.search(cfg, perf_model.CLUSTERS["a100-sxm-80g"], gpt.count_parameters)
+    speeds = [r["tokens_per_s"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(r["fits"] for r in rows)
+    assert {r["strategy"] for r in rows} >= {"ddp", "deepspeed_stage_3", "fsdp", "tp", "pp"}
+    assert all(r["micro_batch"] * r["grad_accum"] * r["dp"] == 16 for r in rows)  # equal work: the same global batch
+    assert "fastest first" in proc.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--cluster", "tpu-v5"], "known: a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie"),
+    (["--cluster", "h100-sxm", "--strategy", "tp", "--devices", "8", "--num-nodes", "2"], "use --strategy fsdp_tp"),
+    (["--cluster", "h100-sxm", "--devices", "16"], "use --devices 8 --num-nodes 2"),
+    (["--cluster", "h100-sxm-eth", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/nvme"], "no NVMe"),
+    (["--search", "--cluster", "h100-sxm", "--n-layer", "400", "--n-embd", "8192", "--n-head", "64"],
+     "fits nowhere on 1 x NVIDIA H100 SXM5 80GB"),
+])
+def test_plan_refuses_what_the_cluster_cannot_run(args, words):
+    with pytest.raises(SystemExit) as exit_:
+        gpt.main(["--model", "1.6b", "--plan", *args])
+    message = str(exit_.value.code)
+    assert message.startswith("error:") and words in message, message
+
+
+def test_a_gpu_run_records_its_predicted_step_beside_the_measured():
+    cfg = cfg_of(strategy="ddp", devices=2)
+    n = gpt.count_parameters(cfg)[0]
+    got = gpt.predicted_step(cfg, {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}, n)
+    assert got["cluster"] == "h100-sxm"
+    assert got["step_time_s"] == perf_model.time_plan(cfg, perf_model.CLUSTERS["h100-sxm"], n)["step_time_s"]
+    assert gpt.predicted_step(cfg, {"device": "cpu", "device_name": "AMD EPYC"}, n) is None
+    assert gpt.predicted_step(cfg, {"device": "cuda", "device_name": "Tesla T4"}, n) is None
