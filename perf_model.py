@@ -341,8 +341,9 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- time
-ALGORITHM = {  # (bandwidth factor on the bytes one rank hands over, latency hops) for a ring of n
-    "all_reduce": lambda n: (2 * (n - 1) / n, 2 * (n - 1)),
+ALGORITHM = {  # (bandwidth factor on the bytes one rank hands over, latency hops): rings, except that an
+    # all-reduce's latency is a tree's (2 log2 n hops), as NCCL picks a tree for small all-reduces
+    "all_reduce": lambda n: (2 * (n - 1) / n, 2 * math.ceil(math.log2(n))),
     "all_gather": lambda n: (n - 1, n - 1),  # each rank hands its shard; n-1 shards arrive
     "reduce_scatter": lambda n: ((n - 1) / n, n - 1),
     "broadcast": lambda n: (1, 1), "send": lambda n: (1, 1), "recv": lambda n: (1, 1),
