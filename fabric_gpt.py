@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import math
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -137,14 +138,18 @@ def gpt2_config(cfg: Config):
                       eos_token_id=cfg.vocab_size - 1)
 
 
-def build_model(cfg: Config):
-    """GPT2LMHeadModel with random weights, built whole on every rank from the same seed, then cut or
-    sharded by the strategy. Never inside deepspeed.zero.Init: transformers would then initialize
-    already-partitioned weights (first loss ~41 instead of ~ln(vocab))."""
+def build_model(cfg: Config, fabric: Fabric | None = None):
+    """GPT2LMHeadModel with GPT-2's initialisation. Under ZeRO-3 (given the Fabric) it is built inside
+    deepspeed.zero.Init, so that no rank ever holds it whole: each parameter is partitioned as it is created and
+    then filled one gathered parameter at a time. Every other strategy builds it whole on every rank and cuts or
+    shards it. Either way each weight comes from `initial_weights`, by name: the same model for every strategy."""
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(cfg.seed)
-    model = GPT2LMHeadModel(gpt2_config(cfg))
+    partitioned = fabric is not None and strategies.zero_stage(cfg.strategy) == 3
+    with fabric.init_module(empty_init=True) if partitioned else nullcontext():
+        model = GPT2LMHeadModel(gpt2_config(cfg))
+    fill_initial_weights(model, cfg, partitioned)
     if cfg.grad_checkpointing:
         kwargs = {"use_reentrant": False}  # the reentrant variant drops gradients of inputs without grad
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
@@ -152,6 +157,35 @@ def build_model(cfg: Config):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+def initial_weights(name: str, shape: torch.Size, cfg: Config) -> torch.Tensor:
+    """transformers' GPT-2 initialisation (N(0, 0.02), c_proj weights N(0, 0.02/sqrt(2L)), zero biases, unit
+    LayerNorms), each parameter drawn from its own generator seeded by the run's seed and the parameter's name,
+    so that it does not depend on the order parameters are created or filled in."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name:
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+    generator = torch.Generator().manual_seed(cfg.seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+def fill_initial_weights(model, cfg: Config, partitioned: bool) -> None:
+    """Write initial_weights into every parameter; a ZeRO-3 partitioned one is gathered alone, filled on rank 0
+    and partitioned again (DeepSpeed broadcasts rank 0's values): at most one whole parameter is held at once."""
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for name, p in model.named_parameters():
+        if partitioned:
+            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+            gathered = GatheredParameters(p, modifier_rank=0)
+        else:
+            gathered = nullcontext()
+        with gathered, torch.no_grad():
+            if first or not partitioned:
+                p.copy_(initial_weights(name, p.shape, cfg).to(p.dtype))
 
 
 def count_parameters(cfg: Config) -> tuple[int, str]:
@@ -325,7 +359,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             run.save(step)
         if stopping:
             raise run.stopped()
-    return {"timed_time_s": timed_time, "timed_steps": timed_steps, "comms": comms}
+    return {"timed_time_s": timed_time, "timed_steps": timed_steps, "comms": comms, "steps_here": steps_here}
 
 
 def mean_loss(fabric, cfg: Config, loss: torch.Tensor) -> float:
@@ -569,7 +603,7 @@ def run(cfg: Config) -> dict:
     flops = accounting.flops_per_token(cfg, n_params)
     plan = accounting.memory_plan(cfg, n_params, attn)
     peak = accounting.peak_flops(fabric.device, cfg.precision)  # on CPU a short matmul probe, before any model exists
-    model = build_model(cfg)
+    model = build_model(cfg, fabric)
     if cfg.compile:
         model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
     if cfg.strategy in strategies.MODEL_PARALLEL:  # parameters are replaced while sharding: optimizer after
@@ -606,6 +640,7 @@ def run(cfg: Config) -> dict:
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
                  f"{micro} x {cfg.grad_accum} x {strategies.data_parallel_size(cfg)} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
+    io_before = disk_io()
     with StopRequest() as run.stop:
         result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step)
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress, peak)
@@ -616,6 +651,11 @@ def run(cfg: Config) -> dict:
     if cfg.count_comms:
         record.update(comm_record(cfg, result["comms"], n_params))
     record["predicted"] = predicted_step(cfg, record, n_params)
+    record["model_build"] = "partitioned (deepspeed.zero.Init)" if strategies.zero_stage(cfg.strategy) == 3 else "whole on every rank"
+    if cfg.nvme_path:  # what ZeRO-Infinity swapped, all ranks together, per optimizer step of this process's life
+        moved = {k: float(fabric.all_reduce(torch.tensor(float(v - io_before[k]), device=fabric.device), reduce_op="sum"))
+                 for k, v in disk_io().items()}
+        record["disk_io_per_step_bytes"] = {k: v / max(1, result["steps_here"]) for k, v in moved.items()}
     if cfg.export:
         export = strategies.export_state_dict(fabric, model, cfg)
         if fabric.global_rank == 0:
@@ -623,6 +663,14 @@ def run(cfg: Config) -> dict:
     record = run.finish(record)
     print_summary(fabric, record)
     return record
+
+
+def disk_io() -> dict:
+    """Bytes this process has read from and written to storage (Linux counts DeepSpeed's O_DIRECT swapping)."""
+    import psutil
+
+    io = psutil.Process().io_counters()
+    return {"read": io.read_bytes, "written": io.write_bytes}
 
 
 def predicted_step(cfg: Config, record: dict, n_params: int) -> dict | None:

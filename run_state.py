@@ -9,6 +9,7 @@ renamed when every rank has finished, so a `step-N` folder is always complete.
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import platform
@@ -32,6 +33,10 @@ STEP_DIR = re.compile(r"step-(\d{8})$")
 
 class ResumeError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and the fix."""
+
+
+class DiskFull(RuntimeError):
+    """A checkpoint or record could not be written for lack of space: nothing complete was lost."""
 
 
 class ConfigError(ValueError):
@@ -125,11 +130,15 @@ def write_json_atomic(path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or a signal: no half-written temporary file is left behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_record(run_dir) -> dict | None:
@@ -268,12 +277,16 @@ class Checkpoints:
     def save(self, fabric, state: dict, step: int, config: dict) -> Path:
         final = self.folder / f"step-{step:08d}"
         partial = final.with_name(final.name + PARTIAL)
+        problem = None
         if fabric.global_rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            write_json_atomic(partial / "config.json", config)
+            problem = disk_full(lambda: (shutil.rmtree(partial, ignore_errors=True), partial.mkdir(parents=True),
+                                         write_json_atomic(partial / "config.json", config)))
         fabric.barrier()
-        self._write(fabric, partial / "state", state)
+        problem = problem or disk_full(lambda: self._write(fabric, partial / "state", state))
+        if any_rank(fabric, problem is not None)[0]:  # every rank stops, and the partial folder goes
+            if fabric.global_rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise DiskFull(self.full_message(fabric, state, step, problem))
         fabric.barrier()  # every rank's shard is written before the folder is declared complete
         if fabric.global_rank == 0:
             _fsync_tree(partial)
@@ -284,6 +297,21 @@ class Checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
         fabric.barrier()
         return final
+
+    def full_message(self, fabric, state: dict, step: int, problem: OSError | None) -> str:
+        """The folder, the bytes the checkpoint needs and has, the last complete checkpoint and how to resume."""
+        need = sum(state_bytes(v) for v in state.values())
+        if fabric.world_size > 1:
+            need = float(fabric.all_reduce(torch.tensor(float(need), device=fabric.device), reduce_op="sum"))
+        free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+        last = self.complete()
+        kept = (f"the last complete checkpoint, {last[-1]}, is intact: free space (or move --out-dir) and continue with "
+                f"--resume auto --run-name {self.folder.parent.name}") if last else \
+            "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
+        return (f"no space left to write the checkpoint of step {step} into {self.folder}: it needs about "
+                f"{need / 2**20:,.1f} MiB and the disk has {free / 2**20:,.1f} MiB free"
+                f"{f' ({problem.strerror})' if problem else ' (on another process)'}. The partial checkpoint was removed; "
+                f"{kept}")
 
     def resolve(self, resume: str) -> list[Path]:
         """Candidates for --resume, newest first: `auto` lists this run's checkpoints, a path names one."""
@@ -409,6 +437,33 @@ class StopRequest:
         return (stopping, *others)
 
 
+def disk_full(write) -> OSError | None:
+    """Run `write`; return its error when the disk (or the quota) was full, raise any other."""
+    try:
+        write()
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        raise
+    return None
+
+
+def state_bytes(obj) -> int:
+    """Bytes of the tensors an object's state_dict holds on this rank (its shard under ZeRO/FSDP)."""
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size() if x.device.type != "meta" else 0
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+    try:
+        return walk(obj.state_dict()) if hasattr(obj, "state_dict") else 0
+    except Exception:  # a DeepSpeed engine's state_dict may need collectives; the estimate then leaves it out
+        return 0
+
+
 def any_rank(fabric, *flags: bool) -> tuple[bool, ...]:
     """Each flag OR-ed across ranks, so every rank takes the same branch (one all-reduce when distributed)."""
     if fabric.world_size == 1:
@@ -506,7 +561,12 @@ class Run:
     def finish(self, record: dict, metrics: dict | None = None) -> dict:
         record = {"kind": self.kind, "run_dir": str(self.dir), **record, "config": self.config(), "env": environment()}
         if self.fabric.is_global_zero:
-            write_json_atomic(self.dir / RECORD, record)
+            problem = disk_full(lambda: write_json_atomic(self.dir / RECORD, record))
+            if problem:
+                raise DiskFull(f"no space left to write {self.dir / RECORD} ({len(json.dumps(record, default=str)):,} "
+                               f"bytes; {shutil.disk_usage(self.dir).free:,} free): the training finished and its last "
+                               f"checkpoint, {self.last_checkpoint}, is intact; free space and run again with "
+                               f"--resume auto --run-name {self.cfg.run_name} to write the record")
             self.logger.log_hyperparams(dataclasses.asdict(self.cfg), metrics)
             self.logger.finalize("success")
         return record
@@ -545,7 +605,7 @@ def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
         if not cfg.resume and not getattr(cfg, "plan", False):
             refuse_existing_run(cfg)
         return run(cfg)
-    except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
+    except (ConfigError, ResumeError, NonFiniteLoss, DiskFull, *errors) as e:
         sys.exit(f"error: {e}")
     except Stopped as e:
         sys.exit(e.exit_code)

@@ -65,6 +65,12 @@ def deepspeed_config(cfg) -> dict:
         zero["offload_optimizer"] = dict(target)
         if stage == 3:
             zero["offload_param"] = dict(target)
+    if cfg.nvme_path:
+        # ZeRO-Infinity swaps the optimizer in sub-groups: DeepSpeed's default of 1e9 elements brings 12 GB of fp32
+        # weights and Adam moments into host memory at once (the 1.6B model was killed at 12 GB per process); 1e8
+        # keeps 1.2 GB. The parameter swapper keeps at most 1e8 elements in host memory besides its buffers.
+        zero["sub_group_size"] = int(1e8)
+        zero["offload_param"]["max_in_cpu"] = int(1e8)
     config = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
               "gradient_clipping": cfg.grad_clip, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
@@ -197,7 +203,10 @@ def make_strategy(cfg, on_gpu: bool):
     if is_deepspeed(cfg.strategy):
         from lightning.fabric.strategies import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
+        strategy = DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
+        # where zero.Init puts each partition as the model is built: straight to its offload target
+        strategy.remote_device = ("nvme" if cfg.nvme_path else "cpu") if cfg.strategy == "deepspeed_stage_3_offload" else None
+        return strategy
     if cfg.strategy in MODEL_PARALLEL:
         from lightning.fabric.strategies import ModelParallelStrategy
 

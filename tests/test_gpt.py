@@ -475,7 +475,7 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
 ])
 def test_bad_inputs_fail_before_any_model_is_built(tmp_path, monkeypatch, args, words):
     built = []
-    monkeypatch.setattr(gpt, "build_model", lambda cfg: built.append(cfg))  # would record any model built
+    monkeypatch.setattr(gpt, "build_model", lambda cfg, fabric=None: built.append(cfg))  # would record any model built
     with pytest.raises(SystemExit) as exit_:
         gpt.main([*args, "--out-dir", str(tmp_path)])
     message = str(exit_.value.code)

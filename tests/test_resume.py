@@ -172,3 +172,35 @@ def test_resumed_on_another_process_count(mnist_dir, tmp_path):
     for key in ww:
         torch.testing.assert_close(wm[key], ww[key], rtol=1e-4, atol=1e-5, msg=key)
     assert moved["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
+
+
+def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
+    """A checkpoint that meets ENOSPC (injected into the write of step 4): one line naming the folder, the bytes,
+    the last complete checkpoint and the resume command; exit 1; no partial folder; the run resumes from step 2."""
+    import errno
+
+    import run_state
+
+    write = run_state.Checkpoints._write
+
+    def full_at_step_4(self, fabric, folder, state):
+        if "step-00000004" in str(folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "half-written").write_bytes(b"x" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+        return write(self, fabric, folder, state)
+
+    args = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
+            "--checkpoint-every", "2", "--out-dir", tmp_path, "--run-name", "full"]
+    monkeypatch.setattr(run_state.Checkpoints, "_write", full_at_step_4)
+    proc = run_in_process("fabric_gpt.py", *args, check=False)
+    message = proc.stderr.strip()
+    folder = tmp_path / "full" / "checkpoints"
+    assert proc.returncode == 1 and message.count("\n") == 0, message
+    assert message.startswith("error: no space left to write the checkpoint of step 4 into " + str(folder))
+    assert "MiB and the disk has" in message and "No space left on device" in message
+    assert f"{folder / 'step-00000002'}, is intact" in message and "--resume auto --run-name full" in message
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002"]  # the partial step 4 is gone
+    monkeypatch.undo()
+    resumed = run_in_process("fabric_gpt.py", *args, "--resume", "auto")
+    assert "resumed from" in resumed.stdout and read_summary(tmp_path / "full")["steps"] == 8
