@@ -208,6 +208,51 @@ def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
     return plan
 
 
+# ZeRO-Infinity's host buffers in our config (strategies.deepspeed_config): optimizer sub-groups of 5e7 elements
+# (fp32 weights, both moments and the gradient swapped in at once), 10 parameter buffers of 5e7 elements and at
+# most 1e8 parameter elements kept in host memory
+NVME_SUB_GROUP, NVME_PARAM_BUFFERS, NVME_MAX_IN_CPU = 5e7, 10 * 5e7, 1e8
+
+
+def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseline: float) -> dict:
+    """Host RAM of one process and of this machine's processes, peak of set-up and training:
+      baseline      the process with its libraries imported (measured when the plan is made)
+      construction  the whole float32 model on every rank (every strategy but ZeRO-3, which builds its partition
+                    under zero.Init and holds one whole parameter at a time while filling it)
+      training      on a CPU the device plan itself (weights, gradients, optimizer, activations); on a GPU only
+                    what offload keeps on the host
+      checkpoint    one process or ddp on a CPU: the states and their serialized copy while Fabric saves
+      offload       CPU offload: fp32 master weights, Adam's moments and fp32 gradients of the partition (and the
+                    16-bit weights under ZeRO-3); NVMe: ZeRO-Infinity's sub-group and parameter buffers"""
+    dp, stage = data_parallel_size(cfg), zero_stage(cfg.strategy)
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    word = 2 if (half and is_deepspeed(cfg.strategy)) or cfg.precision == "bf16-true" else 4
+    partition = n_params / dp
+    offload = 0.0
+    if cfg.strategy.endswith("_offload"):
+        if cfg.nvme_path:
+            offload = NVME_SUB_GROUP * 16 + (NVME_PARAM_BUFFERS + NVME_MAX_IN_CPU) * word
+        else:
+            offload = partition * (4 + 8 + 4) + (partition * word if stage == 3 else 0)
+    if stage == 3:
+        construction = (0 if on_gpu else partition * word) + 4 * largest_layer_params(cfg)
+    else:
+        construction = 4 * n_params
+    training = offload + (0 if on_gpu else device_plan["total"])
+    # Saving through Fabric's single-file checkpoint (one process, ddp) serializes the whole file into memory
+    # first (lightning's _atomic_save writes a BytesIO): the weights and optimizer states, once more
+    states = device_plan["params"] + device_plan["optimizer"] + device_plan["master"]
+    checkpoint = 0 if on_gpu or is_deepspeed(cfg.strategy) or cfg.strategy in ("fsdp", "tp", "fsdp_tp", "pp") else 2 * states
+    per_process = baseline + max(construction, training, checkpoint)
+    return {"baseline": baseline, "construction": construction, "offload": offload, "training": training,
+            "checkpoint": checkpoint, "per_process": per_process, "machine": per_process * cfg.devices}
+
+
+def process_baseline() -> float:
+    """This process's resident memory now: torch, Lightning and transformers imported (a rank imports the same)."""
+    return psutil.Process().memory_info().rss
+
+
 def deepspeed_estimate(cfg, n_params: int) -> float | None:
     """DeepSpeed's own per-GPU model-state estimate for ZeRO-2/3 (it has none for stage 1)."""
     stage, offload = zero_stage(cfg.strategy), cfg.strategy.endswith("_offload")
@@ -234,6 +279,7 @@ def held_bytes(model, optimizer) -> dict:
 
     module = getattr(model, "module", model)
     # ZeRO-3 leaves an empty placeholder in each parameter and keeps this rank's partition in ds_tensor
+    # (under NVMe offload a swapped-out partition is an empty placeholder: it holds no host memory)
     params = sum(nbytes(getattr(p, "ds_tensor", p)) for p in module.parameters())
     outer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper -> torch's or DeepSpeed's optimizer
     inner = getattr(outer, "optimizer", outer)  # DeepSpeed's ZeRO optimizer -> the torch optimizer it steps
@@ -241,5 +287,5 @@ def held_bytes(model, optimizer) -> dict:
     # ZeRO copies its partition into fp32 master weights (ZeRO-3 shares them when they are fp32 on the same device)
     masters = getattr(outer, "single_partition_of_fp32_groups", None) or [
         m for m, w in zip(getattr(outer, "fp32_partitioned_groups_flat", []), getattr(outer, "fp16_partitioned_groups_flat", []))
-        if m.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()]
+        if m is not None and (w is None or m.untyped_storage().data_ptr() != w.untyped_storage().data_ptr())]
     return {"params": params, "master": sum(nbytes(m) for m in masters), "optimizer": state}

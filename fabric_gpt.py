@@ -97,6 +97,8 @@ class Config:
     count_comms: bool = opt(False, "record the collectives and transfers of one optimizer step after warm-up "
                                    "(comm_counted in record.json) beside the plan's (comm_planned)")
     device_memory_gb: float = opt(0.0, "memory per device for --plan (0: the visible GPU's)")
+    host_memory_gb: float = opt(0.0, "host memory this machine's processes may use (0: what is available now); a run "
+                                     "whose host plan does not fit is refused before the model is built")
     out_dir: str = opt("runs", "folder holding one folder per run")
     run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)")
     checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)")
@@ -107,7 +109,7 @@ class Config:
 
 
 RUNTIME_FIELDS = {"compile", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
-                  "search", "device_memory_gb", "out_dir", "run_name",
+                  "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
 
@@ -516,12 +518,62 @@ def validate(cfg: Config) -> None:
     if cfg.precision == "16-mixed" and cfg.strategy in strategies.MODEL_PARALLEL:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
+    check_host_memory(cfg, on_gpu)
     per_step = samples_per_step(cfg)
     if cfg.num_samples % per_step:
         raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "
                           f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
                           f"{strategies.data_parallel_size(cfg)} data-parallel ranks); choose e.g. --num-samples "
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
+
+
+def host_plan(cfg: Config, on_gpu: bool, n_params: int | None = None) -> dict:
+    """Host RAM per process and for this machine's processes (accounting.host_memory_plan)."""
+    if is_deepspeed(cfg.strategy):
+        import deepspeed  # noqa: F401  (imported by every rank anyway: its memory belongs to the baseline)
+    n_params, attn = count_parameters(cfg) if n_params is None else (n_params, "sdpa")
+    device = accounting.memory_plan(dataclasses.replace(cfg, accelerator="cuda" if on_gpu else "cpu"), n_params, attn)
+    return accounting.host_memory_plan(cfg, n_params, device, on_gpu, accounting.process_baseline())
+
+
+def host_available(cfg: Config) -> float:
+    import psutil
+
+    return cfg.host_memory_gb * 2**30 or psutil.virtual_memory().available
+
+
+def check_host_memory(cfg: Config, on_gpu: bool) -> None:
+    """Refuse, before any model exists, a run whose processes would not fit this machine's memory (the kernel
+    would kill one mid-run), naming the figures and settings that would fit. Local rank 0 decides for the machine:
+    ranks launched after it would see its own memory as taken."""
+    import os
+
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    host, available = host_plan(cfg, on_gpu), host_available(cfg)
+    if host["machine"] <= 0.9 * available:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    offload = f", of which offload {gib(host['offload'])}" if host["offload"] else ""
+    fixes = []
+    for flags, change in (("--grad-checkpointing", {"grad_checkpointing": True}),
+                          ("--micro-batch-size 1", {"micro_batch_size": 1, "grad_checkpointing": cfg.grad_checkpointing}),
+                          ("--strategy deepspeed_stage_3 --grad-checkpointing", {"strategy": "deepspeed_stage_3", "grad_checkpointing": True}),
+                          ("--strategy deepspeed_stage_3_offload --nvme-path DIR --grad-checkpointing --micro-batch-size 1",
+                           {"strategy": "deepspeed_stage_3_offload", "nvme_path": "DIR", "grad_checkpointing": True, "micro_batch_size": 1})):
+        other = dataclasses.replace(cfg, **change)
+        if (other.optimizer == "sgd" and other.strategy.endswith("_offload")) or flags in fixes:
+            continue
+        need = host_plan(other, on_gpu)["machine"]
+        if need <= 0.9 * available:
+            fixes.append(f"{flags} ({gib(need)})")
+    raise ConfigError(
+        f"this run needs about {gib(host['machine'])} of host memory and {gib(available)} is available (the plan keeps "
+        f"10%): {cfg.devices} process(es) x {gib(host['per_process'])} = libraries {gib(host['baseline'])} + the larger of "
+        f"building the model ({gib(host['construction'])}), training ({gib(host['training'])}{offload}) and saving a "
+        f"checkpoint ({gib(host['checkpoint'])})."
+        f" Would fit: {'; '.join(fixes[:3]) if fixes else 'none of checkpointing, micro-batch 1, ZeRO-3 or NVMe offload: use a smaller model or a larger machine'}"
+        f". (--host-memory-gb overrides the available figure.)")
 
 
 def validate_parallel_sizes(cfg: Config) -> None:
@@ -603,6 +655,7 @@ def run(cfg: Config) -> dict:
     flops = accounting.flops_per_token(cfg, n_params)
     plan = accounting.memory_plan(cfg, n_params, attn)
     peak = accounting.peak_flops(fabric.device, cfg.precision)  # on CPU a short matmul probe, before any model exists
+    host = host_plan(cfg, on_gpu, n_params)  # its baseline: this process before the model exists
     model = build_model(cfg, fabric)
     if cfg.compile:
         model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
@@ -651,6 +704,7 @@ def run(cfg: Config) -> dict:
     if cfg.count_comms:
         record.update(comm_record(cfg, result["comms"], n_params))
     record["predicted"] = predicted_step(cfg, record, n_params)
+    record["host_plan"] = {k: float(v) for k, v in host.items()}
     record["model_build"] = "partitioned (deepspeed.zero.Init)" if strategies.zero_stage(cfg.strategy) == 3 else "whole on every rank"
     if cfg.nvme_path:  # what ZeRO-Infinity swapped, all ranks together, per optimizer step of this process's life
         moved = {k: float(fabric.all_reduce(torch.tensor(float(v - io_before[k]), device=fabric.device), reduce_op="sum"))

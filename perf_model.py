@@ -259,25 +259,32 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
     gradient after every micro-batch; parameters under stage3_param_persistence_threshold (1e5 elements) stay
     whole and are all-gathered once after the step; the others are all-gathered before each micro-batch (at
     once while they fit stage3_max_live_parameters, 1e9 elements; beyond it, again in backward: unverified)."""
+    from strategies import deepspeed_config
+
     w, m, stage = words(cfg), cfg.grad_accum, zero_stage(cfg.strategy)
     sizes = [numel(s) for _, s in params]
     rows = []
     clip = 1 if cfg.grad_clip else 0
+    zero = deepspeed_config(cfg)["zero_optimization"]
+    bucket = zero["reduce_bucket_size"]
     if stage in (1, 2):
-        for b in buckets(sizes, 2e8):
+        for b in buckets(sizes, bucket):
             rows.append(row("all_reduce", dp, b * w["grad"], m if stage == 2 else 1, link, "backward"))
         for group in optimizer_groups(cfg, params):
             padded = -(-group // (2 * dp)) * 2 * dp
             rows.append(row("all_gather", dp, padded // dp * w["param"], 1, link, "none"))
         rows.append(row("all_reduce", dp, 4, 1 + clip, link, "none"))  # the gradient norm (and clipping's)
     else:
-        for b in buckets(sizes, 2e8):
+        threshold = zero.get("stage3_param_persistence_threshold", 1e5)
+        for b in buckets(sizes, bucket):
             rows.append(row("reduce_scatter", dp, b * w["grad"], m, link, "backward"))
-        persistent = [s for s in sizes if s <= 1e5]
+        persistent = [s for s in sizes if s <= threshold]
         rows += [row("all_gather", dp, -(-s // dp) * w["param"], 1, link, "none") for s in persistent]
-        gathered = sum(-(-s // dp) for s in sizes if s > 1e5)
+        gathered = sum(-(-s // dp) for s in sizes if s > threshold)
         if gathered:
-            times = 1 if sum(s for s in sizes if s > 1e5) <= 1e9 else 2
+            held = sum(s for s in sizes if s > threshold)
+            kept = held <= zero.get("stage3_max_live_parameters", 1e9) and zero.get("stage3_max_reuse_distance", 1e9) >= held
+            times = 1 if kept else 2
             rows.append(row("all_gather", dp, gathered * w["param"], times * m, link, "forward"))
         # the gradient norm (and clipping's): a float64 square on the device, float32 when offloaded
         rows.append(row("all_reduce", dp, 4 if cfg.strategy.endswith("_offload") else 8, 1 + clip, link, "none"))

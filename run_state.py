@@ -526,6 +526,7 @@ class Run:
     def start(self) -> None:
         """Resume if asked (or refuse with the fix), then record the config the run continues under."""
         fabric, cfg = self.fabric, self.cfg
+        watch_ranks(fabric, self.resume_hint)
         if fabric.global_rank == 0:
             self.ckpts.clean_partial()
         fabric.barrier()
@@ -551,6 +552,11 @@ class Run:
         self.last_checkpoint = self.ckpts.save(self.fabric, self.state, step, self.config())
         return self.last_checkpoint
 
+    def resume_hint(self) -> str:
+        last = self.ckpts.complete()
+        return (f"the last complete checkpoint is {last[-1]}: continue with --resume auto --run-name {self.cfg.run_name}"
+                if last else "no checkpoint was complete: start the run again")
+
     def stopped(self) -> Stopped:
         """After a signal: the checkpoint is saved; say how to continue and return the exception to raise."""
         name = self.stop.signal_name if self.stop else "SIGINT"
@@ -570,6 +576,55 @@ class Run:
             self.logger.log_hyperparams(dataclasses.asdict(self.cfg), metrics)
             self.logger.finalize("success")
         return record
+
+
+# what gloo and NCCL raise in a collective whose peer is gone
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+             "NCCL communicator was aborted")
+
+
+def death(code: int) -> str:
+    """How a process ended, from its exit status (negative: the signal that killed it)."""
+    if code >= 0:
+        return f"exited with status {code}"
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    hint = " (what the kernel's out-of-memory killer sends: `dmesg | grep -i oom` tells)" if -code == signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"
+
+
+def watch_ranks(fabric, after) -> None:
+    """A rank that dies takes the run down with one message instead of a collective's traceback or a silent hang.
+    Rank 0 of a run Fabric launched watches the processes it started; each of those watches rank 0. Within a
+    second of a death the watcher prints which rank died and how, with `after()` (the last checkpoint and the
+    resume command), stops the others and exits 1. (Under torchrun or SLURM the launcher does this.)"""
+    import threading
+
+    procs = list(getattr(fabric.strategy.launcher, "procs", None) or [])
+    parent = os.getppid()
+    launched_child = os.environ.get("LOCAL_RANK", "0") != "0" and not os.environ.get("TORCHELASTIC_RUN_ID") \
+        and not os.environ.get("SLURM_JOB_ID")
+    if not procs and not launched_child:
+        return
+
+    def stop(message: str) -> None:
+        print(f"error: {message}. The other processes are stopped; {after()}", file=sys.stderr, flush=True)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            for rank, p in enumerate(procs, start=1):
+                code = p.poll()
+                if code is not None and code != 0:
+                    stop(f"rank {rank} (pid {p.pid}) {death(code)}")
+            if launched_child and os.getppid() != parent:
+                stop(f"rank 0 (pid {parent}, the process that launched this one) died; this rank "
+                     f"({fabric.global_rank}) cannot continue alone")
+
+    threading.Thread(target=watch, daemon=True, name="rank-watch").start()
 
 
 def unused_name(out_dir, name: str) -> str:
@@ -607,6 +662,12 @@ def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
         return run(cfg)
     except (ConfigError, ResumeError, NonFiniteLoss, DiskFull, *errors) as e:
         sys.exit(f"error: {e}")
+    except RuntimeError as e:  # a collective whose peer died: the rank watch names it, given a moment
+        if not any(s in str(e) for s in LOST_PEER):
+            raise
+        time.sleep(3)
+        sys.exit(f"error: another process of this run stopped answering ({str(e).splitlines()[0][:160]}); see its "
+                 f"output above, and resume from the last complete checkpoint with --resume auto")
     except Stopped as e:
         sys.exit(e.exit_code)
 

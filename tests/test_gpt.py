@@ -503,3 +503,26 @@ def test_help_explains_every_flag(capsys):
     for field in gpt.dataclasses.fields(gpt.Config):
         assert "--" + field.name.replace("_", "-") in text
     assert "one of: auto, ddp, fsdp, tp, fsdp_tp, pp" in text and "(default: 1234)" in text
+
+
+# ----------------------------------------------------------------------------- host memory
+def test_a_run_whose_host_plan_does_not_fit_is_refused_with_what_would(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(gpt, "build_model", lambda cfg, fabric=None: built.append(cfg))
+    with pytest.raises(SystemExit) as exit_:
+        gpt.main(["--model", "gpt2", "--accelerator", "cpu", "--micro-batch-size", "8", "--host-memory-gb", "6",
+                  "--out-dir", str(tmp_path)])
+    message = str(exit_.value.code)
+    assert message.startswith("error: this run needs about") and "and 6.0 GiB is available" in message, message
+    assert "libraries" in message and "Would fit: --micro-batch-size 1" in message and "\n" not in message
+    assert not built and not list(tmp_path.iterdir())
+
+
+def test_host_plan_against_the_measured_peak_of_a_run(tmp_path):
+    """GPT-2 small (124M) on one CPU process: the plan's host peak (the libraries measured at start, then the
+    larger of building, training and saving) against the process's peak resident memory, within 15%."""
+    run_script("fabric_gpt.py", "--model", "gpt2", "--seq-len", "128", "--micro-batch-size", "2", "--num-samples", "4",
+               "--steps", "2", "--accelerator", "cpu", "--out-dir", tmp_path, "--run-name", "host")
+    rec = record(tmp_path, "host")
+    planned, measured = rec["host_plan"]["per_process"], rec["memory"]["max_rss_gb"] * 2**30
+    assert planned == pytest.approx(measured, rel=0.15), (planned / 2**30, measured / 2**30)

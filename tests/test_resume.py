@@ -204,3 +204,35 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     resumed = run_in_process("fabric_gpt.py", *args, "--resume", "auto")
     assert "resumed from" in resumed.stdout and read_summary(tmp_path / "full")["steps"] == 8
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_run_with_one_message(tmp_path):
+    """SIGKILL of rank 1 (as the OOM killer sends) mid-run: rank 0 stops within seconds and says which rank died and
+    how, with the last complete checkpoint and the resume command, instead of a collective's traceback; the
+    checkpoint then resumes to the end."""
+    import psutil
+
+    args = ["fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+            "--micro-batch-size", "1", "--num-samples", "20000", "--checkpoint-every", "2", "--out-dir", tmp_path,
+            "--run-name", "killed"]
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 120
+    while not (checkpoints.is_dir() and any(p.name.startswith("step-") and not p.name.endswith(".partial")
+                                             for p in checkpoints.iterdir())):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    child = next(c for c in psutil.Process(proc.pid).children() if "fabric_gpt.py" in " ".join(c.cmdline()))
+    killed_at = time.time()
+    child.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and time.time() - killed_at < 15
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"rank 1 (pid {child.pid}) was killed by SIGKILL" in lines[0], err[-2000:]
+    assert "--resume auto --run-name killed" in lines[0] and "Traceback" not in err
+    last = int(lines[0].split("step-")[1][:8])
+    resumed = run_script(*args, "--resume", "auto", "--steps", last + 2)
+    assert f"resumed from {checkpoints / f'step-{last:08d}'}" in resumed.stdout
+    assert read_summary(tmp_path / "killed")["steps"] == last + 2
