@@ -208,7 +208,7 @@ def make_strategy(cfg, on_gpu: bool):
 
         strategy = DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
         # where zero.Init puts each partition as the model is built: straight to its offload target
-        strategy.remote_device = ("nvme" if cfg.nvme_path else "cpu") if cfg.strategy == "deepspeed_stage_3_offload" else None
+        strategy.remote_device = "nvme" if cfg.nvme_path else None  # None: the device (on a CPU: host memory)
         return strategy
     if cfg.strategy in MODEL_PARALLEL:
         from lightning.fabric.strategies import ModelParallelStrategy
