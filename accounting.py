@@ -76,6 +76,19 @@ def flops_per_token(cfg, n_params: int) -> dict:
     return {"standard": 6 * n_params + attention, "course_8n": 8 * n_params}
 
 
+def return_freed_host_memory() -> None:
+    """Hand the memory set-up freed back to the system (glibc keeps freed heap otherwise): ZeRO-Infinity creates
+    each partition's fp32 weights in host memory before swapping them to NVMe, and without this the process kept
+    those gigabytes through training."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak on a GPU; a process's peak resident memory (CPU) cannot be reset."""
     if device.type == "cuda":
@@ -208,10 +221,10 @@ def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
     return plan
 
 
-# ZeRO-Infinity's host buffers in our config (strategies.deepspeed_config): optimizer sub-groups of 5e7 elements
-# (fp32 weights, both moments and the gradient swapped in at once), 10 parameter buffers of 5e7 elements and at
-# most 1e8 parameter elements kept in host memory
-NVME_SUB_GROUP, NVME_PARAM_BUFFERS, NVME_MAX_IN_CPU = 5e7, 10 * 5e7, 1e8
+# ZeRO-Infinity's host buffers in our config (strategies.deepspeed_config): optimizer sub-groups of 2.5e7 elements
+# (fp32 weights, both moments and the gradient swapped in at once), 8 parameter buffers of 4.1e7 elements and at
+# most 5e7 parameter elements kept in host memory
+NVME_SUB_GROUP, NVME_PARAM_BUFFERS, NVME_MAX_IN_CPU = 2.5e7, 8 * 4.1e7, 5e7
 
 
 def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseline: float) -> dict:
@@ -223,15 +236,17 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
                     what offload keeps on the host
       checkpoint    one process or ddp on a CPU: the states and their serialized copy while Fabric saves
       offload       CPU offload: fp32 master weights, Adam's moments and fp32 gradients of the partition (and the
-                    16-bit weights under ZeRO-3); NVMe: ZeRO-Infinity's sub-group and parameter buffers"""
+                    16-bit weights under ZeRO-3); NVMe: the partition's fp32 gradient, fp32 and 16-bit weights
+                    (measured: DeepSpeed keeps them in host memory) and ZeRO-Infinity's sub-group and swap buffers"""
     dp, stage = data_parallel_size(cfg), zero_stage(cfg.strategy)
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     word = 2 if (half and is_deepspeed(cfg.strategy)) or cfg.precision == "bf16-true" else 4
     partition = n_params / dp
     offload = 0.0
     if cfg.strategy.endswith("_offload"):
-        if cfg.nvme_path:
-            offload = NVME_SUB_GROUP * 16 + (NVME_PARAM_BUFFERS + NVME_MAX_IN_CPU) * word
+        if cfg.nvme_path:  # measured on the 1.6B model (docs/gpt.md): the partition's fp32 gradient and fp32 and
+            # 16-bit weights stay in host memory (10 bytes per element under bf16) besides the swap buffers
+            offload = partition * (4 + 4 + word) + NVME_SUB_GROUP * 16 + (NVME_PARAM_BUFFERS + NVME_MAX_IN_CPU) * word
         else:
             offload = partition * (4 + 8 + 4) + (partition * word if stage == 3 else 0)
     if stage == 3:

@@ -322,7 +322,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
     progress: Progress = run.state["progress"]
     tokens_per_step = samples_per_step(cfg) * cfg.seq_len
     batches = itertools.islice(iter(loader), progress.step * cfg.grad_accum, None)
-    steps_here, timed_time, timed_steps, comms = 0, 0.0, 0, None
+    steps_here, timed_time, timed_steps, comms, disk = 0, 0.0, 0, None, {}
     while progress.step < stop_at:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, cfg, total_steps)
@@ -332,8 +332,11 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
         counter = CommCounter() if cfg.count_comms and comms is None and (
             steps_here == cfg.timing_warmup or progress.step + 1 == stop_at) else None
         t0 = time.perf_counter()
+        io_before = disk_io() if cfg.nvme_path else None
         with counter or nullcontext():
             loss, norm, skipped = take_step(run, model, optimizer, micro_batches)
+        if io_before:  # the step's own swapping, not the checkpoints'
+            disk = {k: disk.get(k, 0.0) + v - io_before[k] for k, v in disk_io().items()}
         sync(fabric.device)
         step_time = time.perf_counter() - t0
         progress.step += 1
@@ -361,7 +364,8 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             run.save(step)
         if stopping:
             raise run.stopped()
-    return {"timed_time_s": timed_time, "timed_steps": timed_steps, "comms": comms, "steps_here": steps_here}
+    return {"timed_time_s": timed_time, "timed_steps": timed_steps, "comms": comms, "steps_here": steps_here,
+            "disk_io": disk}
 
 
 def mean_loss(fabric, cfg: Config, loss: torch.Tensor) -> float:
@@ -669,6 +673,7 @@ def run(cfg: Config) -> dict:
     # Set-up has its own peak (DeepSpeed first moves the whole fp32 model to each GPU, then partitions it):
     # kept apart, so that the training peak is what the plan predicts
     setup_peak = accounting.peak_memory(fabric.device)
+    accounting.return_freed_host_memory()
     accounting.reset_peak_memory(fabric.device)
     micro = cfg.micro_batch_size
     loader = fabric.setup_dataloaders(DataLoader(make_dataset(cfg), batch_size=micro, shuffle=False))
@@ -693,7 +698,6 @@ def run(cfg: Config) -> dict:
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
                  f"{micro} x {cfg.grad_accum} x {strategies.data_parallel_size(cfg)} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
-    io_before = disk_io()
     with StopRequest() as run.stop:
         result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step)
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress, peak)
@@ -706,10 +710,10 @@ def run(cfg: Config) -> dict:
     record["predicted"] = predicted_step(cfg, record, n_params)
     record["host_plan"] = {k: float(v) for k, v in host.items()}
     record["model_build"] = "partitioned (deepspeed.zero.Init)" if strategies.zero_stage(cfg.strategy) == 3 else "whole on every rank"
-    if cfg.nvme_path:  # what ZeRO-Infinity swapped, all ranks together, per optimizer step of this process's life
-        moved = {k: float(fabric.all_reduce(torch.tensor(float(v - io_before[k]), device=fabric.device), reduce_op="sum"))
-                 for k, v in disk_io().items()}
-        record["disk_io_per_step_bytes"] = {k: v / max(1, result["steps_here"]) for k, v in moved.items()}
+    if cfg.nvme_path:  # what ZeRO-Infinity swapped during the optimizer steps, all ranks together, per step
+        record["disk_io_per_step_bytes"] = {k: float(fabric.all_reduce(torch.tensor(v, dtype=torch.float64, device=fabric.device),
+                                                                       reduce_op="sum")) / max(1, result["steps_here"])
+                                            for k, v in result["disk_io"].items()}
     if cfg.export:
         export = strategies.export_state_dict(fabric, model, cfg)
         if fabric.global_rank == 0:

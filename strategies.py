@@ -68,12 +68,12 @@ def deepspeed_config(cfg) -> dict:
     if cfg.nvme_path:
         # ZeRO-Infinity swaps the optimizer in sub-groups: DeepSpeed's default of 1e9 elements brings 16 GB of fp32
         # weights, Adam moments and gradients into host memory at once (the 1.6B model was killed at 12 GB per
-        # process); 5e7 keeps 0.8 GB. Each swapped-in parameter partition takes a whole buffer, and with DeepSpeed's
+        # process); 2.5e7 keeps 0.4 GB. Each swapped-in parameter partition takes a whole buffer, and with DeepSpeed's
         # 5 buffers and its reuse distance of 1e9 the 1.6B model's second forward found none free ("Not enough
-        # buffers"): parameters are released after use, not prefetched, and 10 buffers of 5e7 elements hold any
-        # partition of the 1.6B model (the tied embedding's is 4.0e7).
-        zero.update(sub_group_size=int(5e7), stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
-        zero["offload_param"].update(buffer_count=10, buffer_size=int(5e7), max_in_cpu=int(1e8))
+        # buffers"): parameters are released after use, not prefetched, and 8 buffers of 4.1e7 elements hold any
+        # partition of the 1.6B model on 2 ranks (the tied embedding's is 4.02e7).
+        zero.update(sub_group_size=int(2.5e7), stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+        zero["offload_param"].update(buffer_count=8, buffer_size=int(4.1e7), max_in_cpu=int(5e7))
     config = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
               "gradient_clipping": cfg.grad_clip, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
