@@ -467,8 +467,9 @@ def print_plan(cfg: Config, plan: dict) -> None:
     if plan["deepspeed_estimate"] is not None:
         ours = plan["params"] + plan["grads"] + plan["optimizer"] + plan["gathered_layer"]
         print(f"  model states: ours {gib(ours)}, DeepSpeed's estimator {gib(plan['deepspeed_estimate'])}")
-    print(f"  {'fits' if plan['fits'] else 'does NOT fit'} in {plan['memory_available_bytes'] / 2**30:.0f} GiB per device "
-          f"of {plan['time']['device']} (keeping 10% for buffers and fragmentation)")
+    if plan["time"]["cluster"] != "cpu":  # on a CPU the devices are processes: the host line below decides
+        print(f"  {'fits' if plan['fits'] else 'does NOT fit'} in {plan['memory_available_bytes'] / 2**30:.0f} GiB per device "
+              f"of {plan['time']['device']} (keeping 10% for buffers and fragmentation)")
 
 
 def print_time_plan(cfg: Config, t: dict) -> None:
@@ -630,7 +631,17 @@ def plan_only(cfg: Config) -> dict:
     else:
         n_params, attn = count_parameters(cfg)
         result = perf_model.full_plan(cfg, cluster, n_params, attn, cfg.tokens)
+        host = host_plan(cfg, cluster.name != "cpu", n_params)
+        available = host_available(cfg)
+        result.update(host_memory_per_process_bytes=host["per_process"], host_memory_machine_bytes=host["machine"],
+                      host_memory_available_bytes=available, host_fits=bool(host["machine"] <= 0.9 * available))
+        if cluster.name == "cpu":  # the devices are this machine's processes: their memory is the host's
+            result["fits"] = result["host_fits"]
         print_plan(cfg, result)
+        print(f"  host memory: {host['per_process'] / 2**30:.2f} GiB per process (libraries {host['baseline'] / 2**30:.2f}, "
+              f"build {host['construction'] / 2**30:.2f}, training {host['training'] / 2**30:.2f}, checkpoint "
+              f"{host['checkpoint'] / 2**30:.2f}), {host['machine'] / 2**30:.2f} GiB for {cfg.devices} process(es) on this "
+              f"machine: {'fits' if result['host_fits'] else 'does NOT fit'} in {available / 2**30:.1f} GiB available")
         print_time_plan(cfg, result["time"])
     if cfg.plan_json:
         perf_model.write_json(cfg.plan_json, result)

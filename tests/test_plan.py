@@ -39,6 +39,9 @@ def test_plan_json_holds_memory_time_and_the_transfers(tmp_path):
     grads = sum(r["bytes"] * r["count"] for r in plan["comm"] if r["kind"] == "all_reduce" and r["bytes"] > 8)
     assert grads == 2 * plan["n_params"]
     assert "time plan on 1 x 2 NVIDIA A100 80GB SXM" in proc.stdout and "days" in proc.stdout
+    # the host side: what this machine's processes would hold, against what psutil says is available
+    assert plan["host_memory_machine_bytes"] == 2 * plan["host_memory_per_process_bytes"] > 0
+    assert isinstance(plan["host_fits"], bool) and "host memory:" in proc.stdout
 
 
 def test_ddp_step_time_is_compute_plus_the_ring_all_reduce_left_over():
