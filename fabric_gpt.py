@@ -28,8 +28,8 @@ import accounting
 import perf_model
 import strategies
 from comm_counter import CommCounter
-from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_choices, check_hardware, cpu_name,
-                       nonfinite_message, opt, parse_config, run_main, uses_gpu)
+from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_choices, check_hardware,
+                       check_launcher, cpu_name, nonfinite_message, opt, parse_config, run_main, uses_gpu)
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -517,6 +517,7 @@ def validate(cfg: Config) -> None:
     if cfg.plan or cfg.search:
         return
     # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
+    check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py")
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not is_deepspeed(cfg.strategy))
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)

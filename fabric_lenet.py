@@ -32,7 +32,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 import datasets_local
 from gelu_ext import GeluBuildError
 from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_choices,
-                       check_hardware, cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main,
+                       check_hardware, check_launcher, cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main,
                        uses_gpu, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
@@ -439,6 +439,7 @@ def validate(cfg: Config) -> None:
     if cfg.batch_size % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
                           f"{world} processes; use a multiple of {world}")
+    check_launcher(cfg.num_nodes, cfg.devices, "fabric_lenet.py")
     gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
     if cfg.strategy == "dp" and not gpu:
         raise ConfigError("--strategy dp splits batches across GPUs in one process and needs CUDA; "

@@ -81,6 +81,20 @@ def check_choices(cfg) -> None:
                               f"{', '.join(map(str, allowed))}")
 
 
+def check_launcher(num_nodes: int, devices: int, script: str) -> None:
+    """--num-nodes above 1 needs every node started, by a launcher (torchrun, srun) or by hand with the address of
+    node 0 (MASTER_ADDR, MASTER_PORT, NODE_RANK, as Fabric reads them). Started alone, a process would wait for the
+    other nodes for the process group's 30 minutes without a word: refused at once, with the commands."""
+    launched = any(v in os.environ for v in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "MASTER_ADDR", "NODE_RANK"))
+    if num_nodes > 1 and not launched:
+        raise ConfigError(
+            f"--num-nodes {num_nodes}: no launcher started this process, so nothing would start the other nodes and it "
+            f"would wait for them. Start it on every node, e.g. `torchrun --nnodes {num_nodes} --nproc-per-node {devices} "
+            f"--rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 {script} ... --num-nodes {num_nodes} --devices "
+            f"{devices}` (the same on each node), or `srun` under SLURM, or by hand with MASTER_ADDR=NODE0_HOST "
+            f"MASTER_PORT=29500 NODE_RANK=<0..{num_nodes - 1}> on each node")
+
+
 def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: bool = False) -> bool:
     """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs.
     fp16_on_cpu: the caller runs 16-mixed on a CPU too (float16 autocast and a GradScaler: slow, for checks)."""

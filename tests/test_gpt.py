@@ -474,10 +474,13 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
     (["--strategy", "pp", "--devices", "2", "--pp-size", "2", "--grad-accum", "1"], "needs at least 2 micro-batches"),
     (["--strategy", "deepspeed_stage_2", "--pp-size", "2"], "--pp-size applies to --strategy pp"),
     (["--strategy", "deepspeed_stage_2_offload", "--optimizer", "sgd"], "CPU Adam"),
+    (["--num-nodes", "2", "--strategy", "ddp", "--accelerator", "cpu"], "no launcher started this process"),
 ])
 def test_bad_inputs_fail_before_any_model_is_built(tmp_path, monkeypatch, args, words):
     built = []
     monkeypatch.setattr(gpt, "build_model", lambda cfg, fabric=None: built.append(cfg))  # would record any model built
+    for launched in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "MASTER_ADDR", "NODE_RANK"):  # as a user's shell
+        monkeypatch.delenv(launched, raising=False)
     with pytest.raises(SystemExit) as exit_:
         gpt.main([*args, "--out-dir", str(tmp_path)])
     message = str(exit_.value.code)
