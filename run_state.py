@@ -638,6 +638,11 @@ def watch_ranks(fabric, after) -> None:
                 stop(f"rank 0 (pid {parent}, the process that launched this one) died; this rank "
                      f"({fabric.global_rank}) cannot continue alone")
 
+    # Fabric's own observer polls every 5 s and SIGKILLs every process, this one included, without a word: when it
+    # saw a death first, the run ended as if rank 0 had been killed too. This watch does its work (and says why).
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":
+            thread._run = lambda: True  # its next poll ends it quietly
     threading.Thread(target=watch, daemon=True, name="rank-watch").start()
 
 
