@@ -178,14 +178,10 @@ def fill_initial_weights(model, cfg: Config, partitioned: bool) -> None:
     """Write initial_weights into every parameter; a ZeRO-3 partitioned one is gathered alone, filled on rank 0
     and partitioned again (DeepSpeed broadcasts rank 0's values): at most one whole parameter is held at once."""
     first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if partitioned:
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     for name, p in model.named_parameters():
-        if partitioned:
-            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-            gathered = GatheredParameters(p, modifier_rank=0)
-        else:
-            gathered = nullcontext()
-        with gathered, torch.no_grad():
+        with GatheredParameters(p, modifier_rank=0) if partitioned else nullcontext(), torch.no_grad():
             if first or not partitioned:
                 p.copy_(initial_weights(name, p.shape, cfg).to(p.dtype))
 
@@ -533,11 +529,12 @@ def validate(cfg: Config) -> None:
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
 
 
-def host_plan(cfg: Config, on_gpu: bool, n_params: int | None = None) -> dict:
-    """Host RAM per process and for this machine's processes (accounting.host_memory_plan)."""
+def host_plan(cfg: Config, on_gpu: bool, counted: tuple[int, str] | None = None) -> dict:
+    """Host RAM per process and for this machine's processes (accounting.host_memory_plan); `counted` is
+    count_parameters(cfg) when the caller has it."""
     if is_deepspeed(cfg.strategy):
         import deepspeed  # noqa: F401  (imported by every rank anyway: its memory belongs to the baseline)
-    n_params, attn = count_parameters(cfg) if n_params is None else (n_params, "sdpa")
+    n_params, attn = counted or count_parameters(cfg)
     device = accounting.memory_plan(dataclasses.replace(cfg, accelerator="cuda" if on_gpu else "cpu"), n_params, attn)
     return accounting.host_memory_plan(cfg, n_params, device, on_gpu, accounting.process_baseline())
 
@@ -546,6 +543,10 @@ def host_available(cfg: Config) -> float:
     import psutil
 
     return cfg.host_memory_gb * 2**30 or psutil.virtual_memory().available
+
+
+def host_fits(need: float, available: float) -> bool:
+    return need <= 0.9 * available  # 10% kept, as for devices
 
 
 def check_host_memory(cfg: Config, on_gpu: bool) -> None:
@@ -557,21 +558,21 @@ def check_host_memory(cfg: Config, on_gpu: bool) -> None:
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     host, available = host_plan(cfg, on_gpu), host_available(cfg)
-    if host["machine"] <= 0.9 * available:
+    if host_fits(host["machine"], available):
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     offload = f", of which offload {gib(host['offload'])}" if host["offload"] else ""
     fixes = []
     for flags, change in (("--grad-checkpointing", {"grad_checkpointing": True}),
-                          ("--micro-batch-size 1", {"micro_batch_size": 1, "grad_checkpointing": cfg.grad_checkpointing}),
+                          ("--micro-batch-size 1", {"micro_batch_size": 1}),
                           ("--strategy deepspeed_stage_3 --grad-checkpointing", {"strategy": "deepspeed_stage_3", "grad_checkpointing": True}),
                           ("--strategy deepspeed_stage_3_offload --nvme-path DIR --grad-checkpointing --micro-batch-size 1",
                            {"strategy": "deepspeed_stage_3_offload", "nvme_path": "DIR", "grad_checkpointing": True, "micro_batch_size": 1})):
         other = dataclasses.replace(cfg, **change)
-        if (other.optimizer == "sgd" and other.strategy.endswith("_offload")) or flags in fixes:
+        if other.optimizer == "sgd" and other.strategy.endswith("_offload"):
             continue
         need = host_plan(other, on_gpu)["machine"]
-        if need <= 0.9 * available:
+        if host_fits(need, available):
             fixes.append(f"{flags} ({gib(need)})")
     raise ConfigError(
         f"this run needs about {gib(host['machine'])} of host memory and {gib(available)} is available (the plan keeps "
@@ -632,10 +633,10 @@ def plan_only(cfg: Config) -> dict:
     else:
         n_params, attn = count_parameters(cfg)
         result = perf_model.full_plan(cfg, cluster, n_params, attn, cfg.tokens)
-        host = host_plan(cfg, cluster.name != "cpu", n_params)
+        host = host_plan(cfg, cluster.name != "cpu", (n_params, attn))
         available = host_available(cfg)
         result.update(host_memory_per_process_bytes=host["per_process"], host_memory_machine_bytes=host["machine"],
-                      host_memory_available_bytes=available, host_fits=bool(host["machine"] <= 0.9 * available))
+                      host_memory_available_bytes=available, host_fits=host_fits(host["machine"], available))
         if cluster.name == "cpu":  # the devices are this machine's processes: their memory is the host's
             result["fits"] = result["host_fits"]
         print_plan(cfg, result)
@@ -671,7 +672,7 @@ def run(cfg: Config) -> dict:
     flops = accounting.flops_per_token(cfg, n_params)
     plan = accounting.memory_plan(cfg, n_params, attn)
     peak = accounting.peak_flops(fabric.device, cfg.precision)  # on CPU a short matmul probe, before any model exists
-    host = host_plan(cfg, on_gpu, n_params)  # its baseline: this process before the model exists
+    host = host_plan(cfg, on_gpu, (n_params, attn))  # its baseline: this process before the model exists
     model = build_model(cfg, fabric)
     if cfg.compile:
         model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
@@ -762,7 +763,7 @@ def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:
     return {"comm_counted_step": comms["step"] if comms else None,
             "comm_counted": tables[0]["table"] if tables[0] else [],
             "comm_counted_by_rank": [t["table"] if t else [] for t in tables],
-            "comm_planned": perf_model.comm_table(cfg, n_params)}
+            "comm_planned": perf_model.comm_table(cfg)}
 
 
 def check_resume(saved: dict, cfg: Config) -> None:

@@ -43,6 +43,12 @@ class Cluster:
     source: str = ""
 
 
+H100_SXM = Cluster(
+    "h100-sxm", "NVIDIA H100 SXM5 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 8,
+    intra_bw=450 * GB, intra_latency=10e-6, inter_bw=50 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=12 * GB,
+    host_adam_params_per_s=1.5e9, efficiency=0.45,
+    source="NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 67 fp32, NVLink 4 900 GB/s (450 each way), PCIe 5.0 x16 "
+           "(50 GB/s achieved of 64), NDR InfiniBand 400 Gb/s per GPU (DGX H100)")
 CLUSTERS = {
     "a100-sxm-80g": Cluster(
         "a100-sxm-80g", "NVIDIA A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 8,
@@ -50,16 +56,10 @@ CLUSTERS = {
         host_adam_params_per_s=1e9, efficiency=0.5,
         source="NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 19.5 fp32 (TF32 off, torch's default), NVLink 3 600 GB/s "
                "(300 each way), PCIe 4.0 x16 (25 GB/s achieved of 32), HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
-    "h100-sxm": Cluster(
-        "h100-sxm", "NVIDIA H100 SXM5 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 8,
-        intra_bw=450 * GB, intra_latency=10e-6, inter_bw=50 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=12 * GB,
-        host_adam_params_per_s=1.5e9, efficiency=0.45,
-        source="NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 67 fp32, NVLink 4 900 GB/s (450 each way), PCIe 5.0 x16 "
-               "(50 GB/s achieved of 64), NDR InfiniBand 400 Gb/s per GPU (DGX H100)"),
-    "h200-sxm": Cluster(
-        "h200-sxm", "NVIDIA H200 SXM 141GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GB, 8,
-        intra_bw=450 * GB, intra_latency=10e-6, inter_bw=50 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=12 * GB,
-        host_adam_params_per_s=1.5e9, efficiency=0.45,
+    "h100-sxm": H100_SXM,
+    # H100's tensor cores and NVLink with more memory, or with another network: variants of the same node
+    "h200-sxm": replace(
+        H100_SXM, name="h200-sxm", device="NVIDIA H200 SXM 141GB", memory_bytes=141 * GB,
         source="NVIDIA H200 datasheet: H100's tensor cores (989 TFLOPS bf16 dense) with 141 GB HBM3e; NVLink 4 and NDR "
                "400 Gb/s per GPU as DGX H200"),
     "h100-pcie": Cluster(
@@ -68,10 +68,9 @@ CLUSTERS = {
         host_adam_params_per_s=1e9, efficiency=0.45,
         source="NVIDIA H100 PCIe datasheet: 756 TFLOPS bf16 dense, 51 fp32; no NVLink bridge assumed, so GPUs meet "
                "through the PCIe switches and host (25 GB/s each way achieved); 200 Gb/s network per GPU"),
-    "h100-sxm-eth": Cluster(
-        "h100-sxm-eth", "NVIDIA H100 SXM5 80GB, 100 GbE between nodes", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-        80 * GB, 8, intra_bw=450 * GB, intra_latency=10e-6, inter_bw=12.5 * GB / 8, inter_latency=50e-6,
-        pcie_bw=50 * GB, nvme_bw=0, host_adam_params_per_s=1.5e9, efficiency=0.45,
+    "h100-sxm-eth": replace(
+        H100_SXM, name="h100-sxm-eth", device="NVIDIA H100 SXM5 80GB, 100 GbE between nodes", inter_bw=12.5 * GB / 8,
+        inter_latency=50e-6, nvme_bw=0,
         source="h100-sxm inside a node; one 100 Gb/s Ethernet link per node shared by its 8 GPUs, no local NVMe "
                "(a cloud node)"),
 }
@@ -211,16 +210,14 @@ def words(cfg) -> dict:
     return {"grad": weights, "param": weights, "matmul_out": matmul_out, "residual": residual}
 
 
-def comm_table(cfg, n_params: int | None = None) -> list[dict]:
+def comm_table(cfg) -> list[dict]:
     """Every collective and transfer global rank 0 issues in one optimizer step, as comm_counter counts them:
     {kind, group_size, bytes (the tensor this rank hands to one call), count}, plus the link it crosses and
     what it can overlap with. Groups of one rank move nothing and are left out."""
     w, m = words(cfg), cfg.grad_accum
     params = param_tensors(cfg)
     sizes = [numel(s) for _, s in params]
-    P = sum(sizes)
     dp, t, p = data_parallel_size(cfg), tp_size(cfg), pp_size(cfg)
-    world = cfg.devices * cfg.num_nodes
     dp_link, tp_link = link_of(cfg, "dp"), link_of(cfg, "tp")
     rows = []
     if cfg.strategy == "ddp":
@@ -377,7 +374,7 @@ def flops_per_device(cfg, n_params: int) -> dict:
     tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
     if cfg.strategy == "pp":
         per_block = (blocks + recompute) / L
-        first = len(range(-(-L // p))) * per_block
+        first = -(-L // p) * per_block  # the first stages take the extra block
         last = (L // p) * per_block + head
         busiest = max(first, last) if p > 1 else L * per_block + head
         return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest * tokens,
@@ -418,7 +415,7 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     else:
         compute = flops["busiest"] / rate
         bubble = (p - 1) * flops["per_micro_batch"] / rate if cfg.strategy == "pp" else 0.0
-    comm = comm_table(cfg, n_params)
+    comm = comm_table(cfg)
     by_overlap = {"none": 0.0, "backward": 0.0, "forward": 0.0}
     for r in comm:
         r["time_s"] = transfer_time(r, cluster)
