@@ -29,7 +29,7 @@ import perf_model
 import strategies
 from comm_counter import CommCounter
 from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_choices, check_hardware,
-                       check_launcher, cpu_name, nonfinite_message, opt, parse_config, run_main, uses_gpu)
+                       check_launcher, launch, cpu_name, nonfinite_message, opt, parse_config, run_main, uses_gpu)
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -73,6 +73,8 @@ class Config:
     accelerator: str = opt("auto", "cpu, gpu, cuda or auto", ("auto", "cpu", "gpu", "cuda"))
     devices: int = opt(1, "processes (devices) per node")
     num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
+    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or has stopped answering, then stop "
+                              "with a message (several nodes, torchrun, SLURM)")
     strategy: str = opt("auto", "how the model is spread over the processes (see strategies.py)", STRATEGIES)
     tp_size: int = opt(0, "tensor-parallel group size for tp/fsdp_tp (0: all processes)")
     pp_size: int = opt(0, "pipeline stages for pp (0: all processes)")
@@ -108,7 +110,7 @@ class Config:
                               "GPT-2 state dict, whatever the strategy")
 
 
-RUNTIME_FIELDS = {"compile", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
+RUNTIME_FIELDS = {"node_timeout", "compile", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
                   "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
@@ -513,7 +515,7 @@ def validate(cfg: Config) -> None:
     if cfg.plan or cfg.search:
         return
     # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
-    check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py")
+    check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py", cfg.node_timeout)
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not is_deepspeed(cfg.strategy))
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
@@ -667,7 +669,7 @@ def run(cfg: Config) -> dict:
     on_gpu = uses_gpu(cfg.accelerator)
     fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                     strategy=strategies.make_strategy(cfg, on_gpu), **fabric_precision(cfg, on_gpu))
-    fabric.launch()
+    launch(fabric, cfg.num_nodes, cfg.node_timeout)
     n_params, attn = count_parameters(cfg)
     flops = accounting.flops_per_token(cfg, n_params)
     plan = accounting.memory_plan(cfg, n_params, attn)

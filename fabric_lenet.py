@@ -32,7 +32,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 import datasets_local
 from gelu_ext import GeluBuildError
 from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_choices,
-                       check_hardware, check_launcher, cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main,
+                       check_hardware, check_launcher, launch, cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main,
                        uses_gpu, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
@@ -46,6 +46,8 @@ class Config:
     accelerator: str = opt("auto", "cpu, gpu, cuda, mps or auto", ("auto", "cpu", "gpu", "cuda", "mps"))
     devices: int = opt(1, "devices (processes) per node")
     num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
+    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or has stopped answering, then stop "
+                              "with a message (several nodes, torchrun, SLURM)")
     strategy: str = opt("auto", "ddp: one process per device; dp: one process, several GPUs", STRATEGIES)
     precision: str = opt("auto", "auto: bf16-mixed on GPUs (16-mixed without bf16); on CPUs the faster of 32-true "
                          "and bf16-mixed, timed once per machine and settings (cached in --cache-dir)", PRECISIONS)
@@ -90,7 +92,7 @@ class Config:
 
 
 # Settings that may change on resume: they change how the run executes, not what it computes.
-RUNTIME_FIELDS = {"channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data",
+RUNTIME_FIELDS = {"node_timeout", "channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data",
                   "num_workers", "data_dir", "mirror", "out_dir", "run_name", "log_every", "eval_every",
                   "checkpoint_every", "keep_last", "resume", "tb_images", "max_steps", "cache_dir"}
 # Settings added after runs were saved without them, with the value those runs behaved as (resume compares it).
@@ -439,7 +441,7 @@ def validate(cfg: Config) -> None:
     if cfg.batch_size % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
                           f"{world} processes; use a multiple of {world}")
-    check_launcher(cfg.num_nodes, cfg.devices, "fabric_lenet.py")
+    check_launcher(cfg.num_nodes, cfg.devices, "fabric_lenet.py", cfg.node_timeout)
     gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
     if cfg.strategy == "dp" and not gpu:
         raise ConfigError("--strategy dp splits batches across GPUs in one process and needs CUDA; "
@@ -592,7 +594,7 @@ def run(cfg: Config) -> dict:
     keep_freed_memory_in_heap()
     fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=cfg.strategy,
                     precision=cfg.precision)
-    fabric.launch()
+    launch(fabric, cfg.num_nodes, cfg.node_timeout)
     (differ,) = any_rank(fabric, fabric.broadcast(cfg.precision) != cfg.precision)
     if differ:  # ranks on different CPUs, each with its own probe: they must compute in one precision
         raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); "

@@ -81,10 +81,12 @@ def check_choices(cfg) -> None:
                               f"{', '.join(map(str, allowed))}")
 
 
-def check_launcher(num_nodes: int, devices: int, script: str) -> None:
+def check_launcher(num_nodes: int, devices: int, script: str, node_timeout: float = 60.0) -> None:
     """--num-nodes above 1 needs every node started, by a launcher (torchrun, srun) or by hand with the address of
     node 0 (MASTER_ADDR, MASTER_PORT, NODE_RANK, as Fabric reads them). Started alone, a process would wait for the
     other nodes for the process group's 30 minutes without a word: refused at once, with the commands."""
+    if not node_timeout > 0:
+        raise ConfigError(f"--node-timeout must be a positive number of seconds, got {node_timeout}")
     launched = any(v in os.environ for v in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "MASTER_ADDR", "NODE_RANK"))
     if num_nodes > 1 and not launched:
         raise ConfigError(
@@ -93,6 +95,47 @@ def check_launcher(num_nodes: int, devices: int, script: str) -> None:
             f"--rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 {script} ... --num-nodes {num_nodes} --devices "
             f"{devices}` (the same on each node), or `srun` under SLURM, or by hand with MASTER_ADDR=NODE0_HOST "
             f"MASTER_PORT=29500 NODE_RANK=<0..{num_nodes - 1}> on each node")
+
+
+def launcher() -> str:
+    """What started this process, for messages and for which watch applies."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM (srun)"
+    if "NODE_RANK" in os.environ or "MASTER_ADDR" in os.environ:
+        return "by hand (MASTER_ADDR, MASTER_PORT, NODE_RANK)"
+    return "Fabric, on this machine"
+
+
+def launch(fabric, num_nodes: int, timeout: float) -> None:
+    """fabric.launch(), whose rendezvous waits for every rank, bounded by `timeout` seconds: a node that was not
+    started (or cannot reach node 0) ends the wait with one message naming the address and the launcher, instead
+    of the process group's 30 minutes without a word. (Under torchrun the launcher meets first: see README.)"""
+    import threading
+
+    def give_up() -> None:
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        start = (f"make the job start every task (#SBATCH --nodes {num_nodes} --ntasks-per-node "
+                 f"{fabric.world_size // num_nodes}, the command under srun)" if launcher().startswith("SLURM") else
+                 f"start the same command on every node (node ranks 0 to {num_nodes - 1}) with the same address and port")
+        print(f"error: waited {timeout:g} s at {address} for the {fabric.world_size} processes of this run on "
+              f"{num_nodes} node(s), and not all came (this is rank {fabric.global_rank} on node {fabric.node_rank}; "
+              f"launcher: {launcher()}). Fix: {start}, check that {address} can be reached from each node, or wait "
+              f"longer with --node-timeout", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        fabric.launch()
+    finally:
+        timer.cancel()
+    if fabric.world_size > 1:  # every rank, so that a log shows where each one runs (and its pid, for a kill)
+        environment_name = type(getattr(fabric.strategy, "cluster_environment", None)).__name__
+        print(f"rank {fabric.global_rank}/{fabric.world_size}: node {fabric.node_rank}, local rank {fabric.local_rank}, "
+              f"pid {os.getpid()}, host {platform.node()}, {environment_name} (launcher: {launcher()})", flush=True)
 
 
 def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: bool = False) -> bool:
@@ -169,7 +212,7 @@ def environment() -> dict:
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
            "platform": platform.platform(), "cpu": cpu_name(), "cpu_threads": torch.get_num_threads(),
-           "cuda": torch.version.cuda, "gpu": None, "gpu_count": 0}
+           "cuda": torch.version.cuda, "gpu": None, "gpu_count": 0, "launcher": launcher()}
     for module in ("transformers", "deepspeed", "torchmetrics"):
         if module in sys.modules:
             env[module] = getattr(sys.modules[module], "__version__", None)
@@ -541,6 +584,8 @@ class Run:
         """Resume if asked (or refuse with the fix), then record the config the run continues under."""
         fabric, cfg = self.fabric, self.cfg
         watch_ranks(fabric, self.resume_hint)
+        watch_peers(fabric, self.resume_hint, cfg.num_nodes, cfg.node_timeout,
+                    f"{cfg.run_name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         if fabric.global_rank == 0:
             self.ckpts.clean_partial()
         fabric.barrier()
@@ -580,6 +625,8 @@ class Run:
 
     def finish(self, record: dict, metrics: dict | None = None) -> dict:
         record = {"kind": self.kind, "run_dir": str(self.dir), **record, "config": self.config(), "env": environment()}
+        if PeerWatch.current:  # from here ranks leave one by one (and rank 0 may take the store with it)
+            PeerWatch.current.finish()
         if self.fabric.is_global_zero:
             problem = disk_full(lambda: write_json_atomic(self.dir / RECORD, record))
             if problem:
@@ -646,6 +693,91 @@ def watch_ranks(fabric, after) -> None:
     threading.Thread(target=watch, daemon=True, name="rank-watch").start()
 
 
+class PeerWatch:
+    """Ranks on other machines, which no process here can poll. Every rank bumps its own counter in the run's
+    rendezvous store (the TCPStore at MASTER_ADDR:MASTER_PORT on node 0) each second and reads its two ring
+    neighbours'. A counter that stands still for `timeout` s, or a store that stops answering, is a lost rank:
+    the rank that sees it says which and exits 1, instead of waiting in a collective for the process group's
+    30 minutes. A collective that fails at once (gloo: "Connection closed by peer") asks `lost()` which rank."""
+
+    current: "PeerWatch | None" = None  # this process's watch, for run_main's message
+
+    def __init__(self, fabric, after, num_nodes: int, timeout: float, tag: str):
+        import threading
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self.after, self.timeout, self.finished = after, timeout, False
+        self.rank, self.world, self.devices = fabric.global_rank, fabric.world_size, fabric.world_size // num_nodes
+        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        # its own connection: the process group's store client may be busy in a blocking wait
+        self.store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=max(1.0, min(timeout, 30.0))))
+        self.key = lambda r: f"fabric-lab/{tag}/beat/{r}"  # noqa: E731
+        self.store.add(self.key(self.rank), 1)
+        self.neighbours = sorted({(self.rank + 1) % self.world, (self.rank - 1) % self.world} - {self.rank})
+        PeerWatch.current = self
+        threading.Thread(target=self._watch, daemon=True, name="peer-watch").start()
+
+    def name(self, rank: int) -> str:
+        return f"rank {rank} (node {rank // self.devices})"
+
+    def store_lost(self) -> str:
+        who = "node 0's torchrun" if launcher() == "torchrun" else self.name(0)
+        return f"the run's rendezvous store at {self.address}, held by {who}, stopped answering"
+
+    def counts(self, ranks) -> dict:
+        self.store.add(self.key(self.rank), 1)
+        return {r: self.store.add(self.key(r), 0) for r in ranks}
+
+    def _watch(self) -> None:
+        seen = {r: (None, time.monotonic()) for r in self.neighbours}
+        answered = time.monotonic()
+        while not self.finished:
+            time.sleep(1.0)
+            now = time.monotonic()
+            try:
+                counts = self.counts(self.neighbours)
+            except Exception:  # noqa: BLE001 - any failure to reach the store is the same news
+                if self.finished:
+                    return
+                if now - answered > self.timeout:
+                    self._stop(self.store_lost())
+                continue
+            answered = now
+            seen = {r: (c, now) if c != seen[r][0] else seen[r] for r, c in counts.items()}
+            stale = [r for r, (_, since) in seen.items() if now - since > self.timeout]
+            if stale and not self.finished:
+                self._stop(f"{', '.join(map(self.name, stale))} stopped answering for {self.timeout:g} s (its "
+                           f"process or machine is gone; {launcher()} on that node may say more)")
+
+    def _stop(self, message: str) -> None:
+        print(f"error: {message}. This rank ({self.rank}) stops; {self.after()}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def lost(self, wait: float = 2.0) -> str:
+        """Which ranks stopped: the counters that did not move in `wait` seconds."""
+        try:
+            before = self.counts(range(self.world))
+            time.sleep(wait)
+            after = self.counts(range(self.world))
+        except Exception:  # noqa: BLE001
+            return self.store_lost()
+        gone = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+        return f"{', '.join(map(self.name, gone))} stopped" if gone else "a peer's connection dropped"
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def watch_peers(fabric, after, num_nodes: int, timeout: float, tag: str) -> None:
+    """Start the PeerWatch where rank 0 cannot poll the other ranks as processes: several nodes, or ranks that
+    torchrun or SLURM started."""
+    if fabric.world_size > 1 and (num_nodes > 1 or launcher() in ("torchrun", "SLURM (srun)")):
+        PeerWatch(fabric, after, num_nodes, timeout, tag)
+
+
 def unused_name(out_dir, name: str) -> str:
     """`name`, or `name-2`, `name-3`, ... when runs started in the same second already took it."""
     taken = lambda n: (Path(out_dir) / n).exists()  # noqa: E731
@@ -669,6 +801,7 @@ def refuse_existing_run(cfg) -> None:
 def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
     """What both scripts' main() do: validate, find the run a --resume means, run it, and turn every
     expected failure into one line `error: ...` (exit 1) and a clean stop into 128 + the signal number."""
+    PeerWatch.current = None
     try:
         if cfg.run_name and (Path(cfg.run_name).name != cfg.run_name or cfg.run_name in (".", "..")):
             raise ConfigError(f"--run-name {cfg.run_name!r} is a path; it names one folder under --out-dir "
@@ -681,10 +814,15 @@ def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
         return run(cfg)
     except (ConfigError, ResumeError, NonFiniteLoss, DiskFull, *errors) as e:
         sys.exit(f"error: {e}")
-    except RuntimeError as e:  # a collective whose peer died: the rank watch names it, given a moment
+    except RuntimeError as e:  # a collective whose peer died
         if not any(s in str(e) for s in LOST_PEER):
             raise
-        time.sleep(3)
+        if PeerWatch.current:  # a rank on another node: the store says which, within two seconds
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop would cut the message short
+            cause = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # without gloo's source location
+            sys.exit(f"error: {PeerWatch.current.lost()} ({cause}). This rank stops; "
+                     f"{PeerWatch.current.after()}")
+        time.sleep(3)  # a rank on this machine: the rank watch names it, given a moment
         sys.exit(f"error: another process of this run stopped answering ({str(e).splitlines()[0][:160]}); see its "
                  f"output above, and resume from the last complete checkpoint with --resume auto")
     except Stopped as e:

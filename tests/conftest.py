@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,54 @@ def run_script(*args, timeout=600, check=True, env=None) -> subprocess.Completed
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(node_rank: int, port: int, script: str, *args, log: Path, nnodes: int = 2, env=None) -> subprocess.Popen:
+    """One "machine": a torchrun launcher with one process, meeting the others at a c10d rendezvous on
+    127.0.0.1:port, with the script's --num-nodes/--devices to match (the README's multi-node command)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [torchrun, "--nnodes", nnodes, "--node-rank", node_rank, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=60", script, *args,
+           "--num-nodes", nnodes, "--devices", 1]
+    return subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def start_nodes(script: str, *args, logs: Path, nnodes: int = 2, env=None) -> list[subprocess.Popen]:
+    """Node 0 first: its launcher holds the rendezvous store (on a cluster, the machine the endpoint names)."""
+    import socket
+
+    # Both "machines" share this host's cores: one thread each, as 2 processes on one machine get from Fabric
+    # (alone on a node, Fabric gives its process every core, and 2 x 2 threads on 2 cores changes the sums' order).
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    port, procs = free_port(), []
+    logs.mkdir(parents=True, exist_ok=True)
+    for node in range(nnodes):
+        procs.append(start_node(node, port, script, *args, log=logs / f"node{node}.log", nnodes=nnodes, env=env))
+        for _ in range(600 if node == 0 else 0):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.05)
+    return procs
+
+
+def run_nodes(script: str, *args, logs: Path, nnodes: int = 2, timeout: float = 600, check=True) -> list[str]:
+    """Run a script on `nnodes` torchrun "machines" to the end; each node's output."""
+    procs = start_nodes(script, *args, logs=logs, nnodes=nnodes)
+    codes = [p.wait(timeout=timeout) for p in procs]
+    outs = [(logs / f"node{n}.log").read_text() for n in range(nnodes)]
+    if check and any(codes):
+        raise AssertionError(f"{script} on {nnodes} nodes exited {codes}\n" +
+                             "\n".join(f"node {n}:\n{o[-3000:]}" for n, o in enumerate(outs)))
+    return outs
 
 
 def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProcess:

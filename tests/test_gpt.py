@@ -4,6 +4,7 @@ process, accumulation, resume, export to one state dict, the memory plan, and th
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_in_process, run_script
+from conftest import REPO, free_port, run_in_process, run_nodes, run_script
 import accounting
 import comm_counter
 import fabric_gpt as gpt
@@ -275,14 +276,33 @@ def test_activation_checkpointing_on_two_processes_equals_one_process(single, tm
     assert losses(tmp_path, "ckpt") == pytest.approx(losses(*single), rel=1e-4)
 
 
+def run_on_two_nodes(out: Path, name: str, *args, logs: Path) -> str:
+    """Two torchrun "machines" of one process each, one shared output folder; both nodes' output."""
+    nodes = run_nodes("fabric_gpt.py", *EXACT, "--out-dir", out, "--run-name", name, *args, logs=logs)
+    both = "\n".join(nodes)
+    # each rank once, each on its own node; one TensorBoard file per start, one record, written by rank 0
+    assert both.count("rank 0/2: node 0") == both.count("rank 1/2: node 1") == 1, both[-3000:]
+    assert "TorchElasticEnvironment (launcher: torchrun)" in both
+    return both
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "deepspeed_stage_3", "fsdp", "tp", "pp"])
 def test_stop_at_step_3_and_resume_gives_the_uninterrupted_run(two_process, tmp_path, name):
+    """Cut at step 3 and resumed to the end. Except `tp` (Fabric's own launcher), both runs go over two nodes
+    started by torchrun, so the losses also show that two machines equal two processes on one, step by step."""
     whole_out, whole = two_process(name)
-    args = ["--strategy", name, "--devices", "2", *TWO_PROCESS[name]]
-    run_gpt(tmp_path, "cut", *args, "--steps", "3", base=EXACT)
-    resumed = run_gpt(tmp_path, "cut", *args, "--resume", "auto", base=EXACT)
-    assert "resumed from" in resumed.stdout
+    if name == "tp":
+        args = ["--strategy", name, "--devices", "2", *TWO_PROCESS[name]]
+        run_gpt(tmp_path, "cut", *args, "--steps", "3", base=EXACT)
+        resumed = run_gpt(tmp_path, "cut", *args, "--resume", "auto", base=EXACT).stdout
+    else:
+        args = ["--strategy", name, *TWO_PROCESS[name]]
+        run_on_two_nodes(tmp_path, "cut", *args, "--steps", "3", logs=tmp_path / "logs-cut")
+        resumed = run_on_two_nodes(tmp_path, "cut", *args, "--resume", "auto", logs=tmp_path / "logs-resume")
+        assert len(list((tmp_path / "cut").glob("events.out.tfevents.*"))) == 2
+        assert record(tmp_path, "cut")["env"]["launcher"] == "torchrun"
+    assert "resumed from" in resumed
     assert losses(tmp_path, "cut") == pytest.approx(losses(whole_out, whole), rel=1e-6)
     # the resumed process times its own first (cold) steps out: 9 steps run here, 2 of warm-up
     assert record(tmp_path, "cut")["timed_steps"] == 9 - 2
@@ -534,3 +554,48 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path):
     rec = record(tmp_path, "host")
     planned, measured = rec["host_plan"]["per_process"], rec["memory"]["max_rss_gb"] * 2**30
     assert planned == pytest.approx(measured, rel=0.15), (planned / 2**30, measured / 2**30)
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one host, for the test: SLURM_NTASKS tasks, each with the variables srun gives it
+while [[ $1 == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$((i % SLURM_NTASKS_PER_NODE)) SLURM_NODEID=$((i / SLURM_NTASKS_PER_NODE)) \\
+    "$@" > "$SRUN_LOGS/task$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
+"""
+
+
+@pytest.mark.slow
+def test_the_slurm_batch_script_trains_on_two_nodes_as_two_processes_do(two_process, tmp_path):
+    """gpt.sbatch read as SLURM reads it (one task per GPU) and run as sbatch runs it on the first node of
+    `sbatch --nodes 2 --ntasks-per-node 1`, with an srun that starts the 2 tasks here with srun's variables:
+    Fabric picks its SLURM environment with those ranks, and the run equals the 2-process run step by step."""
+    script = (REPO / "gpt.sbatch").read_text()
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
+    assert directives["nodes"] == "1" and directives["ntasks-per-node"] == directives["gpus-per-node"] == "2"
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert 'make gpt NODES="$SLURM_JOB_NUM_NODES" DEVICES="$SLURM_NTASKS_PER_NODE"' in srun
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "31337", "SLURM_JOB_NAME": "fabric-gpt", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2",
+             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "localhost",
+             "SLURM_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO)}
+    settings = {"MODEL": "tiny", "STRATEGY": "ddp", "PRECISION": "32-true", "STEPS": "0", "ACCELERATOR": "cpu",
+                "RUN": "slurm", "ARGS": " ".join(map(str, [*EXACT, *TWO_PROCESS["ddp"], "--out-dir", tmp_path]))}
+    env = {**os.environ, **slurm, **settings, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(["bash", "gpt.sbatch"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    tasks = [(tmp_path / f"task{i}.log").read_text() for i in range(2)]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + tasks[0][-3000:]
+    for rank in range(2):
+        assert re.search(rf"^rank {rank}/2: node {rank}, local rank 0, .*SLURMEnvironment \(launcher: SLURM \(srun\)\)",
+                         tasks[rank], re.M), tasks[rank][-2000:]
+    got = record(tmp_path, "slurm")
+    assert got["world_size"] == 2 and got["config"]["num_nodes"] == 2 and got["env"]["launcher"] == "SLURM (srun)"
+    assert losses(tmp_path, "slurm") == pytest.approx(losses(*two_process("ddp")), rel=1e-6)

@@ -136,20 +136,6 @@ def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_run_killed_and_resumed_matches_uninterrupted(mnist_dir, tmp_path):
-    args = ["--epochs", "1", "--train-samples", "20000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
-            "--no-tb-images", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir,
-            "--out-dir", tmp_path]
-    run_script("fabric_lenet.py", *args, "--run-name", "whole")
-    proc = start([*args, "--run-name", "cut"])
-    wait_for_checkpoint(tmp_path / "cut", proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, as a scheduler kills a job
-    proc.communicate(timeout=60)
-    assert not (tmp_path / "cut" / "record.json").exists()
-    run_script("fabric_lenet.py", *args, "--run-name", "cut", "--resume", "auto")
-    assert_same_run(tmp_path / "whole", tmp_path / "cut")
-
-
 @pytest.mark.slow
 def test_resumed_on_another_process_count(mnist_dir, tmp_path):
     """LeNet's state is replicated and its global batches do not depend on the world size: a run cut on one

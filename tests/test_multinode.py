@@ -1,0 +1,90 @@
+"""Several machines, on one host: two torchrun launchers of one process each (as on two nodes) sharing one output
+folder, SLURM's variables, a node that never comes and a node that dies. (The GPT strategies on two torchrun nodes,
+and the SLURM batch script, are in test_gpt.py, beside the one-node runs they are compared with.)"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, free_port, mirror_dir, read_summary, run_nodes, run_script, start_nodes
+from test_resume import assert_same_run
+
+LENET = ["--epochs", "1", "--train-samples", "20000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
+         "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp"]
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_run_stops_the_other_and_both_resume_to_the_uninterrupted_run(mnist_dir, tmp_path):
+    """Two nodes download MNIST into one empty shared folder (once: rank 0 first, the others then find it valid),
+    train, and node 1's process is SIGKILLed after a checkpoint. The survivor stops within seconds naming the lost
+    rank; both launchers exit non-zero; started again on both nodes, the run resumes from the last complete
+    checkpoint and ends bit for bit where the same run on 2 processes of one machine ends."""
+    mirror = mirror_dir()
+    run_script("fabric_lenet.py", *LENET, "--devices", "2", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+               "--run-name", "whole")
+    args = [*LENET, "--data-dir", tmp_path / "shared-data", "--mirror", mirror, "--out-dir", tmp_path, "--run-name", "cut"]
+    nodes = start_nodes("fabric_lenet.py", *args, logs=tmp_path / "logs")
+    logs = [tmp_path / "logs" / f"node{n}.log" for n in range(2)]
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    deadline = time.time() + 300
+    while not (checkpoints.is_dir() and any(p.name.startswith("step-") and not p.name.endswith(".partial")
+                                             for p in checkpoints.iterdir())):
+        assert time.time() < deadline and all(p.poll() is None for p in nodes), logs[0].read_text()[-3000:]
+        time.sleep(0.02)
+    rank, pid = map(int, re.search(r"^rank (\d)/2: node 1, .*pid (\d+)", logs[1].read_text(), re.M).groups())
+    killed_at = time.time()
+    os.kill(pid, 9)
+    codes = [p.wait(timeout=60) for p in nodes]
+    assert all(codes) and time.time() - killed_at < 20, codes
+    survivor = logs[0].read_text()
+    errors = [line for line in survivor.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank {rank} (node 1) stopped"), survivor[-3000:]
+    assert "--resume auto --run-name cut" in errors[0]
+    both = survivor + logs[1].read_text()
+    assert both.count("downloaded ") == 4  # each of the four files once, by rank 0, into the shared folder
+    assert not (tmp_path / "cut" / "record.json").exists()
+
+    resumed = run_nodes("fabric_lenet.py", *args, "--resume", "auto", logs=tmp_path / "logs-resume")
+    assert "resumed from" in resumed[0] + resumed[1]
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+    assert read_summary(tmp_path / "cut")["env"]["launcher"] == "torchrun"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["by hand", "SLURM"])
+def test_a_node_that_never_comes_ends_the_wait_with_one_message(mnist_dir, tmp_path, launcher):
+    """Node 0 started by hand (MASTER_ADDR, NODE_RANK) or task 1 of a 2-node SLURM job, alone: within
+    --node-timeout seconds one line names the address, the launcher and the fix (not 30 minutes of silence)."""
+    port = free_port()
+    env = ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"} if launcher == "by hand" else
+           {"SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "1",
+            "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "lenet",
+            "SLURM_NODELIST": "localhost", "MASTER_PORT": str(port)})
+    started = time.time()
+    proc = run_script("fabric_lenet.py", "--num-nodes", "2", "--devices", "1", "--accelerator", "cpu",
+                      "--precision", "32-true", "--node-timeout", "3", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+                      check=False, env=env, timeout=120)
+    assert proc.returncode == 1 and time.time() - started < 60
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: waited 3 s at "), proc.stderr[-2000:]
+    assert f":{port} for the 2 processes of this run on 2 node(s)" in errors[0]
+    assert ("launcher: by hand" if launcher == "by hand" else "launcher: SLURM (srun)") in errors[0]
+    assert "--node-timeout" in errors[0] and not list(tmp_path.glob("lenet-*"))
+
+
+@pytest.mark.slow
+def test_torchrun_with_a_node_missing_gives_up_after_its_join_timeout(tmp_path):
+    """Under torchrun the nodes meet in the launchers, before any process of ours starts: the wait is torchrun's
+    (--rdzv-conf join_timeout, 600 s by default; the README's commands set it), and it ends in its own error."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    started = time.time()
+    proc = subprocess.run([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           f"127.0.0.1:{free_port()}", "--rdzv-conf", "join_timeout=2", "fabric_lenet.py",
+                           "--num-nodes", "2", "--devices", "1", "--out-dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and time.time() - started < 60
+    assert "RendezvousTimeoutError" in proc.stderr and not list(tmp_path.iterdir())
