@@ -110,7 +110,8 @@ class Config:
                               "GPT-2 state dict, whatever the strategy")
 
 
-RUNTIME_FIELDS = {"node_timeout", "compile", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
+# grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it)
+RUNTIME_FIELDS = {"devices", "num_nodes", "node_timeout", "compile", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
                   "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
@@ -769,11 +770,18 @@ def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:
 
 
 def check_resume(saved: dict, cfg: Config) -> None:
-    sharded = is_deepspeed(cfg.strategy) or cfg.strategy in strategies.MODEL_PARALLEL
-    if sharded and world_size(cfg) != saved["devices"] * saved["num_nodes"]:
+    """The number of processes must stay (it shards the checkpoint and sets the global batch); how they are laid
+    out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime)."""
+    if world_size(cfg) == saved["devices"] * saved["num_nodes"]:
+        return
+    if is_deepspeed(cfg.strategy) or cfg.strategy in strategies.MODEL_PARALLEL:
         raise ResumeError(f"cannot resume run {cfg.run_name}: its {cfg.strategy} checkpoint is sharded over "
                           f"{saved['devices'] * saved['num_nodes']} processes and this run has {world_size(cfg)}. Fix: resume "
                           "with the same --devices/--num-nodes, or export it as one state dict (strategies.export_checkpoint, see README).")
+    raise ResumeError(f"cannot resume run {cfg.run_name}: it ran on {saved['devices'] * saved['num_nodes']} processes and "
+                      f"this run has {world_size(cfg)}, which changes the global batch (micro-batch x accumulation x "
+                      f"data-parallel size). Fix: resume with as many processes (--devices x --num-nodes), or start a "
+                      f"new run with another --run-name")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,47 @@
 """make lab and make gpu-check on a machine without a GPU: stages run in order, finished ones are skipped,
 --force redoes them, a missing dataset stops the first stage, and the GPU check says why it cannot run."""
 
+import ast
+import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import run_in_process, run_script
+from conftest import REPO, run_in_process, run_script
 import lab
 from fabric_lenet import Config, steps_per_epoch
 
 
-def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path):
+def run_lab(capsys, *args) -> tuple[int, str]:
+    """lab.main() in the test process (its stages are subprocesses either way): exit code and what it printed."""
+    capsys.readouterr()
+    code = lab.main([str(a) for a in args])
+    return code, capsys.readouterr().out
+
+
+def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path, capsys, monkeypatch):
     empty = tmp_path / "mirror"
     empty.mkdir()
-    proc = run_script("lab.py", "--runs", tmp_path / "runs", "--data-dir", tmp_path / "data", "--report-dir",
-                      tmp_path / "report", check=False, env={"MNIST_MIRROR": str(empty)})
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    monkeypatch.setenv("MNIST_MIRROR", str(empty))  # the stages inherit it
+    code, out = run_lab(capsys, "--runs", tmp_path / "runs", "--data-dir", tmp_path / "data", "--report-dir",
+                        tmp_path / "report")
+    lines = out.strip().splitlines()
+    assert code == 1, out
     assert "[1/" in lines[-2] and "data" in lines[-2] and "FAILED" in lines[-2] and "MNIST_MIRROR" in lines[-2]
     assert [p.name for p in (tmp_path / "runs" / "lab" / "logs").iterdir()] == ["data.log"]  # nothing else started
 
 
-def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path):
+def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path, capsys):
     runs, report = tmp_path / "runs", tmp_path / "report"
-    args = ["lab.py", "--runs", runs, "--data-dir", mnist_dir, "--report-dir", report, "--stages",
+    args = ["--runs", runs, "--data-dir", mnist_dir, "--report-dir", report, "--stages",
             "data,gelu-check,gpu-check,report"]
-    first = run_script(*args).stdout
+    code, first = run_lab(capsys, *args)
+    assert code == 0, first
     check = runs / "gelu" / "check.json"
     assert "gelu-check       done in" in first and check.exists()
     assert "gpu-check        skipped: no CUDA GPU" in first
@@ -33,11 +49,11 @@ def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path):
     assert "GPU check skipped by `make lab`" in text and "no CUDA GPU on this machine" in text
     assert "Largest differences from `torch.nn.functional.gelu`" in text  # the stage's result reached the report
     written = check.stat().st_mtime_ns
-    second = run_script(*args).stdout
+    second = run_lab(capsys, *args)[1]
     assert "data             done earlier" in second and "gelu-check       done earlier" in second
     assert "report           done in" in second  # the report always reflects the runs on disk
     assert check.stat().st_mtime_ns == written
-    forced = run_script(*args[:-1], "gelu-check", "--force").stdout
+    forced = run_lab(capsys, *args[:-1], "gelu-check", "--force")[1]
     assert "gelu-check       done in" in forced and check.stat().st_mtime_ns > written
     assert json.loads(check.read_text())["rows"]
 
@@ -70,15 +86,23 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path, capsys):
 @pytest.mark.slow
 def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
     """A LeNet-5 stage whose run has a checkpoint but no record (stopped part-way) is continued with
-    --resume auto, not restarted, and ends as the full default run."""
+    --resume auto, not restarted, as the full default run. Stopped once it has continued: that a resumed run ends
+    exactly where the uninterrupted one does is test_resume.py's to prove, and the rest would be 30 s of training."""
     runs = tmp_path / "runs"
     run_in_process("fabric_lenet.py", "--run-name", "lab-lenet-relu", "--out-dir", runs, "--data-dir", mnist_dir,
                    "--max-steps", "100", "--no-tb-images")
     (runs / "lab-lenet-relu" / "record.json").unlink()  # as if stopped after its checkpoint at step 100
-    out = run_script("lab.py", "--runs", runs, "--data-dir", mnist_dir, "--report-dir", tmp_path / "report",
-                     "--stages", "lenet-relu").stdout
-    assert "lenet-relu       started (continuing its run)" in out and "lenet-relu       done in" in out
-    assert "continuing at epoch 1, step 100" in (runs / "lab" / "logs" / "lenet-relu.log").read_text()
-    record = json.loads((runs / "lab-lenet-relu" / "record.json").read_text())
-    cfg = Config()
-    assert record["epochs"] == cfg.epochs and record["steps"] == cfg.epochs * steps_per_epoch(60_000, cfg, 1)
+    proc = subprocess.Popen([sys.executable, "lab.py", "--runs", str(runs), "--data-dir", str(mnist_dir), "--report-dir",
+                             str(tmp_path / "report"), "--stages", "lenet-relu"], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    log, deadline = runs / "lab" / "logs" / "lenet-relu.log", time.time() + 120
+    while not (log.exists() and "continuing at epoch 1, step 100" in log.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert "lenet-relu       started (continuing its run)" in proc.communicate()[0]
+    config = ast.literal_eval(next(line for line in log.read_text().splitlines() if line.startswith("config: "))[8:])
+    default = dataclasses.asdict(Config())
+    changed = {k for k in default if config[k] != default[k]}
+    assert changed <= {"run_name", "out_dir", "data_dir", "resume", "precision"} and config["resume"] == "auto", changed
+    assert steps_per_epoch(60_000, Config(), 1) > 100  # the default run had most of its steps still to go
