@@ -100,6 +100,7 @@ def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProces
     3.5 s of CPU each time). Multi-process runs, signals and the command line itself use run_script."""
     module = importlib.import_module(Path(script).stem)
     out, err, code = io.StringIO(), io.StringIO(), 0
+    environ = dict(os.environ)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             module.main([str(a) for a in args])
@@ -107,6 +108,13 @@ def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProces
             code = e.code if isinstance(e.code, int) else 1
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
+        finally:  # as the process's end would: a process group of one (ddp on 1 device) holds MASTER_PORT open,
+            import torch.distributed  # and the variables Fabric set would reach every later run's processes
+
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(environ)
     proc = subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"{script} {args} exited {code}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
