@@ -127,4 +127,4 @@ def read_summary(run_dir: Path) -> dict:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: multi-process or DeepSpeed runs; `make test-fast` leaves them out")
+    config.addinivalue_line("markers", "slow: multi-process, DeepSpeed or large-model runs; `make test-fast` leaves them out")

@@ -152,7 +152,8 @@ def offload_run(tmp_path_factory):
 
     def get(strategy: str):
         if not (out / strategy / "record.json").exists():
-            run_gpt(out, strategy, "--strategy", strategy, *OFFLOAD, "--count-comms")
+            run_gpt(out, strategy, "--strategy", strategy, *OFFLOAD, "--count-comms", "--checkpoint-every", "2",
+                    "--keep-last", "6")  # its mid-run checkpoint is resumed
         return out, strategy
     return get
 
@@ -245,12 +246,14 @@ def test_gradient_checkpointing_is_on_and_leaves_loss_and_gradients_unchanged():
 
 
 @pytest.mark.slow
-def test_cpu_offload_stop_and_resume_gives_the_uninterrupted_run(offload_run, tmp_path):
-    """ZeRO-3 offloaded to CPU memory resumes exactly, AdamW's moments included (NVMe offload cannot: refused)."""
-    args = ["--strategy", "deepspeed_stage_3_offload", *OFFLOAD]
-    run_gpt(tmp_path, "cut", *args, "--steps", "5")
-    assert "resumed from" in run_gpt(tmp_path, "cut", *args, "--resume", "auto").stdout
-    assert losses(tmp_path, "cut") == pytest.approx(losses(*offload_run("deepspeed_stage_3_offload")), rel=1e-6)
+def test_cpu_offload_resumed_from_a_mid_run_checkpoint_gives_the_uninterrupted_run(offload_run, tmp_path):
+    """ZeRO-3 offloaded to CPU memory resumes exactly from the whole run's step-4 checkpoint, AdamW's moments
+    included (NVMe offload cannot: refused)."""
+    whole_out, whole = offload_run("deepspeed_stage_3_offload")
+    shutil.copytree(whole_out / whole / "checkpoints" / "step-00000004", tmp_path / "cut" / "checkpoints" / "step-00000004")
+    resumed = run_gpt(tmp_path, "cut", "--strategy", "deepspeed_stage_3_offload", *OFFLOAD, "--resume", "auto").stdout
+    assert f"resumed from {tmp_path / 'cut' / 'checkpoints' / 'step-00000004'}" in resumed
+    assert losses(tmp_path, "cut") == pytest.approx(losses(whole_out, whole), rel=1e-6)
 
 
 def test_pipeline_stage_recomputes_its_blocks_under_checkpointing():
@@ -541,6 +544,7 @@ def test_a_run_whose_host_plan_does_not_fit_is_refused_with_what_would(tmp_path,
     assert not built and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # a 67M-parameter model's run
 def test_host_plan_against_the_measured_peak_of_a_run(tmp_path):
     """GPT-2 small's width and vocabulary with 4 blocks (67M parameters) on one CPU process: the plan's host peak
     (the libraries measured at start, then the larger of building, training and saving) against the process's peak

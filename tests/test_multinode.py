@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, free_port, mirror_dir, read_summary, run_nodes, run_script, start_nodes
 from test_resume import assert_same_run
 
-LENET = ["--epochs", "1", "--train-samples", "20000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
+LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
          "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp"]
 
 
@@ -66,11 +66,11 @@ def test_a_node_that_never_comes_ends_the_wait_with_one_message(mnist_dir, tmp_p
             "SLURM_NODELIST": "localhost", "MASTER_PORT": str(port)})
     started = time.time()
     proc = run_script("fabric_lenet.py", "--num-nodes", "2", "--devices", "1", "--accelerator", "cpu",
-                      "--precision", "32-true", "--node-timeout", "3", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+                      "--precision", "32-true", "--node-timeout", "1", "--data-dir", mnist_dir, "--out-dir", tmp_path,
                       check=False, env=env, timeout=120)
     assert proc.returncode == 1 and time.time() - started < 60
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: waited 3 s at "), proc.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: waited 1 s at "), proc.stderr[-2000:]
     assert f":{port} for the 2 processes of this run on 2 node(s)" in errors[0]
     assert ("launcher: by hand" if launcher == "by hand" else "launcher: SLURM (srun)") in errors[0]
     assert "--node-timeout" in errors[0] and not list(tmp_path.glob("lenet-*"))

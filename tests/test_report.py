@@ -28,6 +28,7 @@ def figures(markdown: str) -> list[str]:
     return re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
 
 
+@pytest.mark.slow  # its runs include a 2-process benchmark
 def test_report_from_real_runs(runs, tmp_path):
     path = report.main(["--runs", str(runs), "--out", str(tmp_path / "report")])
     text = path.read_text()
@@ -51,6 +52,7 @@ def test_missing_runs_folder_gives_notes(tmp_path):
     assert "Traceback" not in text
 
 
+@pytest.mark.slow  # its runs include a 2-process benchmark
 def test_half_written_and_old_runs_give_notes(runs, tmp_path):
     broken = tmp_path / "runs"
     shutil.copytree(runs / "lenet-short", broken / "lenet-killed")

@@ -195,8 +195,8 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_run_with_one_message(tmp_path):
     """SIGKILL of rank 1 (as the OOM killer sends) mid-run: rank 0 stops within seconds and says which rank died and
-    how, with the last complete checkpoint and the resume command, instead of a collective's traceback; the
-    checkpoint then resumes to the end."""
+    how, with the last complete checkpoint and the resume command, instead of a collective's traceback. (That such a
+    checkpoint resumes to the uninterrupted run, bit for bit, is test_multinode.py's node-kill test.)"""
     import psutil
 
     args = ["fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
@@ -219,6 +219,4 @@ def test_a_killed_rank_stops_the_run_with_one_message(tmp_path):
     assert len(lines) == 1 and f"rank 1 (pid {child.pid}) was killed by SIGKILL" in lines[0], err[-2000:]
     assert "--resume auto --run-name killed" in lines[0] and "Traceback" not in err
     last = int(lines[0].split("step-")[1][:8])
-    resumed = run_script(*args, "--resume", "auto", "--steps", last + 2)
-    assert f"resumed from {checkpoints / f'step-{last:08d}'}" in resumed.stdout
-    assert read_summary(tmp_path / "killed")["steps"] == last + 2
+    assert (checkpoints / f"step-{last:08d}").is_dir() and not (tmp_path / "killed" / "record.json").exists()
