@@ -91,11 +91,6 @@ def bench_lenet(args) -> None:
         t99 = f"{m['time_to_99_0_max_s']:.1f}" if m["time_to_99_0_max_s"] is not None else "not reached in every seed"
         lines.append(f"| {recipe} | `{flags}` | {100 * m['acc_mean']:.2f}% ± {100 * m['acc_std']:.2f} | {100 * m['acc_min']:.2f}% | "
                      f"{m['train_s_mean']:.1f} | {m['samples_per_s_mean']:,.0f} | {m['samples_per_s_mean'] / base:.1f}x | {t99} |")
-    errors = [abs(r["prediction_error"]) for r in rows if r["record"]]
-    if errors:
-        ratios = [max(1 + e, 1 / (1 + e)) for e in (r["prediction_error"] for r in rows if r["record"])]
-        lines += ["", f"Predicted (perf_model.py, efficiency {_efficiency(args)}) against measured step time: median "
-                      f"absolute error {100 * statistics.median(errors):.0f}%, worst {max(ratios):.2f}x off."]
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")

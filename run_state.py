@@ -608,7 +608,8 @@ class Run:
             _ = self.logger.experiment
 
     def save(self, step: int) -> Path:
-        self.last_checkpoint = self.ckpts.save(self.fabric, self.state, step, self.config())
+        with PeerWatch.current.busy() if PeerWatch.current else contextlib.nullcontext():
+            self.last_checkpoint = self.ckpts.save(self.fabric, self.state, step, self.config())
         return self.last_checkpoint
 
     def resume_hint(self) -> str:
@@ -747,10 +748,23 @@ class PeerWatch:
                 continue
             answered = now
             seen = {r: (c, now) if c != seen[r][0] else seen[r] for r, c in counts.items()}
-            stale = [r for r, (_, since) in seen.items() if now - since > self.timeout]
+            stale = [r for r, (_, since) in seen.items() if now - since > self.timeout and not self.busy_now(r)]
             if stale and not self.finished:
                 self._stop(f"{', '.join(map(self.name, stale))} stopped answering for {self.timeout:g} s (its "
                            f"process or machine is gone; {launcher()} on that node may say more)")
+
+    @contextlib.contextmanager
+    def busy(self):
+        """A long stretch (writing a checkpoint) in which this rank's beat may pause, if the write holds the GIL:
+        its neighbours do not count that time against it."""
+        self.store.add(self.key(self.rank) + "/busy", 1)
+        try:
+            yield
+        finally:
+            self.store.add(self.key(self.rank) + "/busy", -1)
+
+    def busy_now(self, rank: int) -> bool:
+        return self.store.add(self.key(rank) + "/busy", 0) > 0
 
     def _stop(self, message: str) -> None:
         print(f"error: {message}. This rank ({self.rank}) stops; {self.after()}", file=sys.stderr, flush=True)
