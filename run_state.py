@@ -748,7 +748,9 @@ class PeerWatch:
                 continue
             answered = now
             seen = {r: (c, now) if c != seen[r][0] else seen[r] for r, c in counts.items()}
-            stale = [r for r, (_, since) in seen.items() if now - since > self.timeout and not self.busy_now(r)]
+            # a neighbour writing a checkpoint may pause its beat: it gets 10 times as long
+            stale = [r for r, (_, since) in seen.items() if now - since > self.timeout
+                     and (now - since > 10 * self.timeout or not self.busy_now(r))]
             if stale and not self.finished:
                 self._stop(f"{', '.join(map(self.name, stale))} stopped answering for {self.timeout:g} s (its "
                            f"process or machine is gone; {launcher()} on that node may say more)")
@@ -756,7 +758,7 @@ class PeerWatch:
     @contextlib.contextmanager
     def busy(self):
         """A long stretch (writing a checkpoint) in which this rank's beat may pause, if the write holds the GIL:
-        its neighbours do not count that time against it."""
+        its neighbours give it 10 times --node-timeout instead of once."""
         self.store.add(self.key(self.rank) + "/busy", 1)
         try:
             yield
