@@ -766,7 +766,10 @@ class PeerWatch:
             self.store.add(self.key(self.rank) + "/busy", -1)
 
     def busy_now(self, rank: int) -> bool:
-        return self.store.add(self.key(rank) + "/busy", 0) > 0
+        try:
+            return self.store.add(self.key(rank) + "/busy", 0) > 0
+        except Exception:  # noqa: BLE001 - the store's loss is noticed at the next beat
+            return False
 
     def _stop(self, message: str) -> None:
         print(f"error: {message}. This rank ({self.rank}) stops; {self.after()}", file=sys.stderr, flush=True)
