@@ -772,14 +772,15 @@ def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:
 def check_resume(saved: dict, cfg: Config) -> None:
     """The number of processes must stay (it shards the checkpoint and sets the global batch); how they are laid
     out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime)."""
-    if world_size(cfg) == saved["devices"] * saved["num_nodes"]:
+    was, now = saved["devices"] * saved["num_nodes"], world_size(cfg)
+    if now == was:
         return
     if is_deepspeed(cfg.strategy) or cfg.strategy in strategies.MODEL_PARALLEL:
         raise ResumeError(f"cannot resume run {cfg.run_name}: its {cfg.strategy} checkpoint is sharded over "
-                          f"{saved['devices'] * saved['num_nodes']} processes and this run has {world_size(cfg)}. Fix: resume "
+                          f"{was} processes and this run has {now}. Fix: resume "
                           "with the same --devices/--num-nodes, or export it as one state dict (strategies.export_checkpoint, see README).")
-    raise ResumeError(f"cannot resume run {cfg.run_name}: it ran on {saved['devices'] * saved['num_nodes']} processes and "
-                      f"this run has {world_size(cfg)}, which changes the global batch (micro-batch x accumulation x "
+    raise ResumeError(f"cannot resume run {cfg.run_name}: it ran on {was} processes and "
+                      f"this run has {now}, which changes the global batch (micro-batch x accumulation x "
                       f"data-parallel size). Fix: resume with as many processes (--devices x --num-nodes), or start a "
                       f"new run with another --run-name")
 

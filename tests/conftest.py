@@ -54,12 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(node_rank: int, port: int, script: str, *args, log: Path, nnodes: int = 2, env=None) -> subprocess.Popen:
+def start_node(node_rank: int, port: int, script: str, *args, log: Path, nnodes: int = 2, env=None,
+               join_timeout: int = 60) -> subprocess.Popen:
     """One "machine": a torchrun launcher with one process, meeting the others at a c10d rendezvous on
     127.0.0.1:port, with the script's --num-nodes/--devices to match (the README's multi-node command)."""
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [torchrun, "--nnodes", nnodes, "--node-rank", node_rank, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=60", script, *args,
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"join_timeout={join_timeout}", script, *args,
            "--num-nodes", nnodes, "--devices", 1]
     return subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -92,6 +93,17 @@ def run_nodes(script: str, *args, logs: Path, nnodes: int = 2, timeout: float = 
         raise AssertionError(f"{script} on {nnodes} nodes exited {codes}\n" +
                              "\n".join(f"node {n}:\n{o[-3000:]}" for n, o in enumerate(outs)))
     return outs
+
+
+def wait_for_checkpoint(run_dir: Path, *procs: subprocess.Popen, timeout: float = 300, output=None) -> None:
+    """Until the run's first complete checkpoint exists, every process still running meanwhile; `output()` says
+    what they printed when one ends first (default: its piped stdout)."""
+    deadline = time.time() + timeout
+    while not [p for p in (Path(run_dir) / "checkpoints").glob("step-*") if not p.name.endswith(".partial")]:
+        ended = [p for p in procs if p.poll() is not None]
+        assert not ended, f"run ended before its first checkpoint:\n{output() if output else ended[0].stdout.read()}"
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
 
 
 def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProcess:

@@ -4,13 +4,11 @@ and the SLURM batch script, are in test_gpt.py, beside the one-node runs they ar
 
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import REPO, free_port, mirror_dir, read_summary, run_nodes, run_script, start_nodes
+from conftest import free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes, wait_for_checkpoint
 from test_resume import assert_same_run
 
 LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
@@ -29,12 +27,7 @@ def test_a_node_killed_mid_run_stops_the_other_and_both_resume_to_the_uninterrup
     args = [*LENET, "--data-dir", tmp_path / "shared-data", "--mirror", mirror, "--out-dir", tmp_path, "--run-name", "cut"]
     nodes = start_nodes("fabric_lenet.py", *args, logs=tmp_path / "logs")
     logs = [tmp_path / "logs" / f"node{n}.log" for n in range(2)]
-    checkpoints = tmp_path / "cut" / "checkpoints"
-    deadline = time.time() + 300
-    while not (checkpoints.is_dir() and any(p.name.startswith("step-") and not p.name.endswith(".partial")
-                                             for p in checkpoints.iterdir())):
-        assert time.time() < deadline and all(p.poll() is None for p in nodes), logs[0].read_text()[-3000:]
-        time.sleep(0.02)
+    wait_for_checkpoint(tmp_path / "cut", *nodes, output=lambda: logs[0].read_text()[-3000:])
     rank, pid = map(int, re.search(r"^rank (\d)/2: node 1, .*pid (\d+)", logs[1].read_text(), re.M).groups())
     killed_at = time.time()
     os.kill(pid, 9)
@@ -80,14 +73,10 @@ def test_a_node_that_never_comes_ends_the_wait_with_one_message(mnist_dir, tmp_p
 def test_torchrun_with_a_node_missing_gives_up_after_its_join_timeout(tmp_path):
     """Under torchrun the nodes meet in the launchers, before any process of ours starts: the wait is torchrun's
     (--rdzv-conf join_timeout, 600 s by default; the README's commands set it), and it ends in its own error."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    started = time.time()
-    proc = subprocess.run([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                           f"127.0.0.1:{free_port()}", "--rdzv-conf", "join_timeout=2", "fabric_lenet.py",
-                           "--num-nodes", "2", "--devices", "1", "--out-dir", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and time.time() - started < 60
-    assert "RendezvousTimeoutError" in proc.stderr and not list(tmp_path.iterdir())
+    started, log = time.time(), tmp_path / "node0.log"
+    node = start_node(0, free_port(), "fabric_lenet.py", "--out-dir", tmp_path / "runs", log=log, join_timeout=2)
+    assert node.wait(timeout=120) != 0 and time.time() - started < 60
+    assert "RendezvousTimeoutError" in log.read_text() and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow

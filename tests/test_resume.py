@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_summary, run_in_process, run_script
+from conftest import REPO, read_summary, run_in_process, run_script, wait_for_checkpoint
 
 # 2 epochs of 235 steps (batch 128); a checkpoint every 40 steps; default precision (bf16 autocast) and augmentation.
 ARGS = ["--epochs", "2", "--train-samples", "30000", "--batch-size", "128", "--checkpoint-every", "40", "--keep-last", "20",
@@ -21,14 +21,6 @@ ARGS = ["--epochs", "2", "--train-samples", "30000", "--batch-size", "128", "--c
 def start(args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "fabric_lenet.py", *map(str, args)], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout=300) -> None:
-    deadline = time.time() + timeout
-    while not [p for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".partial")]:
-        assert proc.poll() is None, f"run ended before its first checkpoint:\n{proc.stdout.read()}"
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -205,11 +197,7 @@ def test_a_killed_rank_stops_the_run_with_one_message(tmp_path):
     proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     checkpoints = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 120
-    while not (checkpoints.is_dir() and any(p.name.startswith("step-") and not p.name.endswith(".partial")
-                                             for p in checkpoints.iterdir())):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+    wait_for_checkpoint(tmp_path / "killed", proc, timeout=120, output=lambda: proc.communicate())
     child = next(c for c in psutil.Process(proc.pid).children() if "fabric_gpt.py" in " ".join(c.cmdline()))
     killed_at = time.time()
     child.send_signal(signal.SIGKILL)
