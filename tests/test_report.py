@@ -10,7 +10,22 @@ import pytest
 
 from conftest import run_in_process, run_script
 
+import bench
 import report
+from fabric_lenet import Config
+
+
+def bench_lenet_in_process(runs, mnist_dir):
+    """`bench.py lenet` with every case cut to a few steps, its training runs in this process (the command line
+    of each is what the benchmark builds): the tables it writes, not the speed, are under test."""
+    def run(script, args, env=None):
+        proc = run_in_process(script, *args, check=False)
+        return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "run", run)
+        bench.main(["--out-dir", str(runs), "lenet", "--steps", "3", "--seeds", "2", "--", "--max-steps", "3",
+                    "--train-samples", "1024", "--data-dir", str(mnist_dir)])
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +36,7 @@ def runs(mnist_dir, tmp_path_factory):
     run_script("-m", "gelu_ext", "check", "--out", runs / "gelu")
     run_script("bench.py", "--out-dir", runs, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
                "--num-samples", "32", "--strategies", "ddp", "--precisions", "32-true")
+    bench_lenet_in_process(runs, mnist_dir)
     return runs
 
 
@@ -43,12 +59,28 @@ def test_report_from_real_runs(runs, tmp_path):
         png = tmp_path / "report" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert matplotlib.image.imread(png).shape[0] > 100
-    assert "> **Note:**" in text and "make bench-lenet" in text  # the section with no run names its command
+    assert "| dataloader_b64_w2 | loader | 2 |" in text and "| memory_b64 | memory | - |" in text
+    assert "| short | `" + " ".join(bench.SHORT_RECIPE) + "` |" in text
+    assert "not reached in every seed" in text  # 3 steps reach no 99.0%
+
+
+@pytest.mark.slow  # its runs include a 2-process benchmark
+def test_the_lenet_benchmark_records_every_case(runs):
+    result = json.loads((runs / "bench-lenet" / "bench.json").read_text())
+    cases = {"dataloader_b64_w0", "dataloader_b64_w1", "dataloader_b64_w2", "memory_b64", "default_seed0",
+             "default_seed1", "short_seed0", "short_seed1"}
+    assert set(result["results"]) == cases and result["seeds"] == 2
+    assert all(r["samples_per_s"] > 0 for r in result["results"].values())
+    short_batch = int(bench.SHORT_RECIPE[bench.SHORT_RECIPE.index("--batch-size") + 1])
+    assert result["results"]["short_seed1"]["batch_size"] == short_batch
+    assert result["results"]["default_seed0"]["batch_size"] == Config().batch_size
+    assert len(result["recipes"]["default"]["acc_all"]) == 2
 
 
 def test_missing_runs_folder_gives_notes(tmp_path):
     text = report.main(["--runs", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]).read_text()
     assert "nothing has run yet" in text and "`make lenet`" in text and "make bench-gpt" in text
+    assert "make bench-lenet" in text
     assert "Traceback" not in text
 
 
