@@ -382,7 +382,7 @@ def sync(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- output
 def log_step(run: Run, step, total_steps, loss, norm, step_time, tokens_per_step, flops, skipped=False) -> None:
-    fabric, cfg = run.fabric, run.cfg
+    fabric = run.fabric
     tokens_s = tokens_per_step / step_time
     metrics = {"train/loss": loss, "train/grad_norm": norm, "perf/step_time_s": step_time, "perf/tokens_per_s": tokens_s,
                "perf/tflops_per_device": flops["standard"] * tokens_s / fabric.world_size / 1e12}
