@@ -104,7 +104,7 @@ def bench_lenet(args) -> None:
 # steps, about 0.1 s of training apart; evaluations are not training time). Over seeds 0-9 it reached 99.0% after
 # at most 1.63 epochs of samples and 3.0 s (3 epochs at batch 256, the previous recipe: 2.11 epochs; batch 128:
 # 1.55 epochs but 10-20% fewer samples/s; a cosine schedule: 2.0 epochs; lr 1.2e-2 or batch 384 never reached
-# 99.0% in some seeds, nor did 2 epochs at batch 256 in 2 of 13) (docs/lenet.md)
+# 99.0% in some seeds, nor did 2 epochs at batch 256 and lr 1.2e-2 in 2 of 13) (docs/lenet.md)
 SHORT_RECIPE = ["--epochs", "2", "--no-augment", "--batch-size", "192", "--lr", "8e-3", "--eval-every", "17"]
 
 
