@@ -31,12 +31,19 @@ def run(script: str, args: list, env: dict | None = None) -> tuple[int, str]:
     return proc.returncode, last
 
 
-def fresh_or_kept(folder: Path, keep: bool) -> bool:
-    """--keep (make lab) reuses a case whose run finished; otherwise, and for a half-done case, start clean."""
-    if keep and (folder / "record.json").exists():
-        return True
+def run_case(folder: Path, keep: bool, script: str, flags: list, env: dict | None = None) -> tuple[int, str]:
+    """Run one case of a benchmark into `folder` (its --run-name). --keep (make lab) reuses a case whose run
+    finished with the same command, so an interrupted sweep continues; a case whose flags changed since (a new
+    recipe, other ARGS), a half-done one, and any case without --keep start clean."""
+    command = [script, *map(str, flags)]
+    case = folder / "bench_case.json"
+    if keep and (folder / "record.json").exists() and case.exists() and json.loads(case.read_text()) == command:
+        return 0, "kept"
     shutil.rmtree(folder, ignore_errors=True)
-    return False
+    code, last = run(script, flags, env)
+    if code == 0:
+        write_json_atomic(case, command)
+    return code, last
 
 
 def progress(items, desc: str):
@@ -63,11 +70,11 @@ def bench_lenet(args) -> None:
         cases[f"short_seed{seed}"] = [*SHORT_RECIPE, "--seed", str(seed)]
     results = {}
     for name in progress(list(cases), "lenet bench"):
-        if not fresh_or_kept(out / name, args.keep):
-            print(f"running {name} ...", flush=True)
-            code, last = run("fabric_lenet.py", [*cases[name], *common, "--run-name", name])
-            if code:
-                sys.exit(f"error: {name} failed: {last}")
+        started = time.time()
+        code, last = run_case(out / name, args.keep, "fabric_lenet.py", [*cases[name], *common, "--run-name", name])
+        if code:
+            sys.exit(f"error: {name} failed: {last}")
+        print(f"{name}: {'kept' if last == 'kept' else 'ok'} ({time.time() - started:.0f} s)", flush=True)
         s = read_record(out / name)
         reached = [h["train_time_s"] for h in s["history"] if h["test_acc"] >= 0.99]
         results[name] = {"samples_per_s": s["samples_per_s"], "test_acc": s["test_acc"], "train_time_s": s["train_time_s"],
@@ -145,7 +152,7 @@ def bench_gpt(args) -> None:
                  "--accelerator", args.accelerator, "--micro-batch-size", micro, *accum, "--num-samples",
                  args.num_samples, "--out-dir", out, "--run-name", run_name, *args.extra]
         started = time.time()
-        code, last = (0, "kept") if fresh_or_kept(out / run_name, args.keep) else run("fabric_gpt.py", flags, env)
+        code, last = run_case(out / run_name, args.keep, "fabric_gpt.py", flags, env)
         print(f"{run_name} on {devices} device(s): {'ok' if code == 0 else 'failed: ' + last} ({time.time() - started:.0f} s)",
               flush=True)
         record = read_record(out / run_name) if code == 0 else None

@@ -77,6 +77,22 @@ def test_the_lenet_benchmark_records_every_case(runs):
     assert len(result["recipes"]["default"]["acc_all"]) == 2
 
 
+def test_a_benchmark_keeps_a_finished_case_only_for_the_same_command(tmp_path):
+    """make lab's --keep: a sweep continues where it stopped, but a case whose flags changed (a new recipe) runs again."""
+    folder, log = tmp_path / "case", tmp_path / "runs.log"
+    # A real subprocess, as the benchmarks start one: it appends to a log and writes the run's record.json.
+    script = ("import pathlib, sys; d = pathlib.Path(sys.argv[1]); d.mkdir(); (d / 'record.json').write_text('{}'); "
+              "open(sys.argv[2], 'a').write(sys.argv[3] + chr(10))")
+    first = bench.run_case(folder, True, "-c", [script, folder, log, "a"])
+    again = bench.run_case(folder, True, "-c", [script, folder, log, "a"])
+    changed = bench.run_case(folder, True, "-c", [script, folder, log, "b"])
+    without_keep = bench.run_case(folder, False, "-c", [script, folder, log, "b"])
+    assert [first[0], again, changed[0], without_keep[0]] == [0, (0, "kept"), 0, 0]
+    assert log.read_text().split() == ["a", "b", "b"]
+    (folder / "record.json").unlink()  # a case killed before its end
+    assert bench.run_case(folder, True, "-c", [script, folder, log, "b"])[1] != "kept"
+
+
 def test_missing_runs_folder_gives_notes(tmp_path):
     text = report.main(["--runs", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]).read_text()
     assert "nothing has run yet" in text and "`make lenet`" in text and "make bench-gpt" in text
