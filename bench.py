@@ -27,8 +27,12 @@ def run(script: str, args: list, env: dict | None = None) -> tuple[int, str]:
     """Run a script as a user would; return its exit code and the last line it printed to stderr."""
     proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, text=True, capture_output=True,
                           env={**os.environ, **(env or {})})
-    last = (proc.stderr.strip().splitlines() or [""])[-1]
-    return proc.returncode, last
+    return proc.returncode, last_line(proc.stderr)
+
+
+def last_line(stderr: str) -> str:
+    """What a failed run said last: the line a benchmark's table shows for it."""
+    return (stderr.strip().splitlines() or [""])[-1]
 
 
 def run_case(folder: Path, keep: bool, script: str, flags: list, env: dict | None = None) -> tuple[int, str]:

@@ -68,8 +68,8 @@ inline Vectorized<T> backward_vec(const Vectorized<T>& g, const Vectorized<T>& x
   }
   auto cdf = c.half * (c.one + (x * c.rsqrt2).erf());
   // exp_u20 (at most 2 ulp, PyTorch's own fast exp for softmax) instead of exp (1 ulp): the backward ran 1.08x
-  // ATen's with exp and 1.03x with it, and its float32 error against float64 fell (7.2e-7 from 9.5e-7 over 2^20 values of 3 randn);
-  // float64 maps it to exp, so gradcheck sees the same kernel
+  // ATen's with exp and 1.03x with it, and its float32 error against float64 fell (7.2e-7 from 9.5e-7 over
+  // 2^20 values of 3 randn); float64 maps it to exp, so gradcheck sees the same kernel
   auto pdf = c.rsqrt2pi * (c.minus_half * x * x).exp_u20();
   return g * (cdf + x * pdf);
 }

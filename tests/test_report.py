@@ -20,7 +20,7 @@ def bench_lenet_in_process(runs, mnist_dir):
     of each is what the benchmark builds): the tables it writes, not the speed, are under test."""
     def run(script, args, env=None):
         proc = run_in_process(script, *args, check=False)
-        return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+        return proc.returncode, bench.last_line(proc.stderr)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "run", run)
