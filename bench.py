@@ -196,7 +196,7 @@ def predict(rows: list, accelerator: str) -> None:
     clusters = {}
     for r in rows:
         rec = r["record"]
-        if rec is None:
+        if rec is None or rec["step_time_s"] is None:
             continue
         fields = {f.name for f in dataclasses.fields(fabric_gpt.Config)}
         cfg = fabric_gpt.resolve(fabric_gpt.Config(**{k: v for k, v in rec["config"].items() if k in fields}))
@@ -213,6 +213,9 @@ def predict(rows: list, accelerator: str) -> None:
 
 def write_table(out: Path, args, rows: list) -> None:
     predict(rows, args.accelerator)
+    for r in rows:  # a case whose steps were all warm-up (--steps in ARGS) has no timing to compare
+        if r["record"] and r["record"]["step_time_s"] is None:
+            r["record"], r["error"] = None, f"not timed: {r['record']['steps']} steps, all warm-up"
     singles = {r["precision"]: r["record"]["tokens_per_s"] for r in rows if r["strategy"] == "auto" and r["record"]}
     lines = [f"Model `{args.model}`, {args.num_samples} samples, global batch {args.micro_batch_size * args.devices}, "
              f"accelerator {args.accelerator}; speed-up is tokens/s over the single-device run of the same precision.",
@@ -221,7 +224,8 @@ def write_table(out: Path, args, rows: list) -> None:
     for r in rows:
         rec = r["record"]
         if rec is None:
-            lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | failed: {r['error'][:80]} | | | | | | | | |")
+            why = r["error"] if r["error"].startswith("not timed") else f"failed: {r['error'][:80]}"
+            lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {why} | | | | | | | | |")
             continue
         mem = rec["memory"].get("max_allocated_gb", rec["memory"].get("max_rss_gb"))
         mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "unknown"
@@ -248,32 +252,58 @@ def _efficiency(args) -> str:
     return f"{perf_model.CPU_EFFICIENCY} of the machine's matmul probe" if args.accelerator == "cpu" else "of the preset"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", default="runs")
+def build_parser() -> argparse.ArgumentParser:
+    from flags import Folder, Parser, choice, number
+    from fabric_gpt import PRECISIONS, PRESETS, STRATEGIES
+
+    parser = Parser(description=__doc__, prog="bench.py")
+    parser.add_argument("--out-dir", default="runs", type=Folder(), help="folder for the benchmark runs and tables "
+                        "(default: runs)")
     parser.add_argument("--keep", action="store_true", help="reuse the cases whose runs finished (an interrupted sweep continues)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    lenet = sub.add_parser("lenet", help="LeNet-5: data paths and time to accuracy")
-    lenet.add_argument("--steps", type=int, default=400, help="optimizer steps of the data-path cases")
-    lenet.add_argument("--seeds", type=int, default=5, help="seeds of the default and the short recipe")
-    lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags (after --)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{lenet,gpt}")
+    lenet = sub.add_parser("lenet", help="LeNet-5: data paths and time to accuracy", description=bench_lenet.__doc__,
+                           formatter_class=parser.formatter_class)
+    lenet.add_argument("--steps", type=number(int, min=1), default=400, help="optimizer steps of the data-path cases "
+                       "(default: 400)")
+    lenet.add_argument("--seeds", type=number(int, min=1, max=1000), default=5, help="seeds of the default and the "
+                       "short recipe (default: 5)")
+    lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags, after -- (checked by its parser)")
     lenet.set_defaults(func=bench_lenet)
-    gpt = sub.add_parser("gpt", help="GPT-2: strategies x precisions on equal data")
-    gpt.add_argument("--model", default="tiny")
-    gpt.add_argument("--devices", type=int, default=2)
-    gpt.add_argument("--accelerator", default="cuda" if _cuda() else "cpu")
-    gpt.add_argument("--micro-batch-size", type=int, default=4, help="per device when all devices are used")
-    gpt.add_argument("--num-samples", type=int, default=256)
-    gpt.add_argument("--strategies", nargs="+", default=["auto", "ddp", "fsdp", "tp", "pp", "deepspeed_stage_1",
-                                                         "deepspeed_stage_2", "deepspeed_stage_3",
-                                                         "deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
-    gpt.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
-    gpt.add_argument("extra", nargs="*", help="more fabric_gpt.py flags (after --)")
+    gpt = sub.add_parser("gpt", help="GPT-2: strategies x precisions on equal data", description=bench_gpt.__doc__,
+                         formatter_class=parser.formatter_class)
+    gpt.add_argument("--model", default="tiny", type=choice(PRESETS), help="model preset (default: tiny)")
+    gpt.add_argument("--devices", type=number(int, min=1), default=2, help="processes (devices) of the parallel "
+                     "cases (default: 2)")
+    gpt.add_argument("--accelerator", default="cuda" if _cuda() else "cpu", type=choice(("cpu", "cuda")),
+                     help="where every case runs (default: cuda when a GPU is visible, else cpu)")
+    gpt.add_argument("--micro-batch-size", type=number(int, min=1), default=4, help="per device when all devices "
+                     "are used (default: 4)")
+    gpt.add_argument("--num-samples", type=number(int, min=1), default=256, help="samples every case trains on "
+                     "(default: 256)")
+    gpt.add_argument("--strategies", nargs="+", type=choice(STRATEGIES), default=list(BENCH_STRATEGIES),
+                     metavar="NAME", help="strategies to run (default: all but fsdp_tp)")
+    gpt.add_argument("--precisions", nargs="+", type=choice(PRECISIONS), default=["32-true", "bf16-mixed"],
+                     metavar="NAME", help="precisions to run (default: 32-true bf16-mixed)")
+    gpt.add_argument("extra", nargs="*", help="more fabric_gpt.py flags, after -- (checked by its parser)")
     gpt.set_defaults(func=bench_gpt)
     for command in (lenet, gpt):  # the common flags also after the command, as `make bench-* ARGS=...` puts them
-        command.add_argument("--out-dir", default=argparse.SUPPRESS, help="as above, after the command")
+        command.add_argument("--out-dir", default=argparse.SUPPRESS, type=Folder(), help="as above, after the command")
         command.add_argument("--keep", action="store_true", default=argparse.SUPPRESS, help="as above, after the command")
-    return parser.parse_args(argv)
+    return parser
+
+
+BENCH_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3",
+                    "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The benchmark's flags, and the flags it passes on checked by the script's own parser, before any case runs."""
+    args = build_parser().parse_args(argv)
+    import fabric_gpt
+    import fabric_lenet
+
+    (fabric_lenet if args.command == "lenet" else fabric_gpt).parse_args(args.extra)
+    return args
 
 
 def main(argv=None) -> None:

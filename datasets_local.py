@@ -7,7 +7,6 @@ Labels have magic 2049 (one dimension), images 2051 (three dimensions: count, ro
     python datasets_local.py --root data/mnist            # download (or copy from MNIST_MIRROR) and verify
 """
 
-import argparse
 import gzip
 import hashlib
 import http.client
@@ -35,6 +34,8 @@ SHA256 = {
     "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
     "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
 }
+SIZES = {"train-images-idx3-ubyte": 47_040_016, "train-labels-idx1-ubyte": 60_008, "t10k-images-idx3-ubyte": 7_840_016,
+         "t10k-labels-idx1-ubyte": 10_008}  # bytes, decompressed: 16 or 8 header bytes + the payload
 SPLITS = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -129,10 +130,6 @@ def _read_with_progress(response, filename: str) -> bytes:
     return b"".join(chunks)
 
 
-def _valid(path: Path, name: str) -> bool:
-    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name]
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write through a temporary file in the same folder and rename, so no partial file is ever visible."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
@@ -147,13 +144,36 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def local_copy(root: Path, name: str) -> tuple[bool, str | None]:
+    """(a good copy is in root, what is wrong with the one that is there): the raw file or its .gz beside it."""
+    problems = []
+    for path in (root / name, root / (name + ".gz")):
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        try:
+            payload = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+        except (OSError, EOFError, zlib.error) as e:
+            problems.append(f"{path} is damaged: {len(data):,} bytes that are not a whole gzip file ({e})")
+            continue
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest == SHA256[name]:
+            return True, None
+        size = (f"{len(payload):,} bytes where MNIST's has {SIZES[name]:,}" if len(payload) != SIZES[name]
+                else f"the right size but sha256 {digest[:12]}..., expected {SHA256[name][:12]}...")
+        problems.append(f"{path} is damaged: {'decompressed, ' if payload is not data else ''}{size}")
+    return False, "; ".join(problems) or None
+
+
 def download(root, mirror: str | None = None, quiet: bool = False) -> None:
-    """Fetch the four MNIST files into `root` (decompressed, SHA-256 checked); skip those already valid."""
+    """Fetch the four MNIST files into `root` (decompressed, SHA-256 checked); skip those already valid, raw or
+    as the .gz a mirror folder holds."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for name in SHA256:
         path = root / name
-        if _valid(path, name):
+        good, problem = local_copy(root, name)
+        if good:
             continue
         errors = []
         for source in _mirrors(mirror):
@@ -171,9 +191,11 @@ def download(root, mirror: str | None = None, quiet: bool = False) -> None:
                 print(f"downloaded {name} from {source}", file=sys.stderr)
             break
         else:
+            found = f"{problem} (kept untouched); " if problem else ""
+            remove = "delete the damaged file and " if problem else ""
             raise MNISTError(
-                f"could not get {name}.gz into {root}: " + "; ".join(errors) +
-                ". Fix: connect to the internet, or set MNIST_MIRROR (or --mirror) to a directory or URL "
+                f"{found}a fresh copy of {name}.gz could not be fetched into {root}: " + "; ".join(errors) +
+                f". Fix: {remove}connect to the internet, or set MNIST_MIRROR (or --mirror) to a folder or URL "
                 "holding the four MNIST .gz files, e.g. MNIST_MIRROR=../shared/data/mnist.")
 
 
@@ -238,11 +260,19 @@ class MNIST(Dataset):
         return normalize(self.images), self.labels.clone()
 
 
+def build_parser():
+    from flags import Folder, Parser, Source
+
+    parser = Parser(description=__doc__, prog="datasets_local.py")
+    parser.add_argument("--root", default="data/mnist", type=Folder(), help="folder for the decompressed IDX files "
+                        "(default: data/mnist)")
+    parser.add_argument("--mirror", default=None, type=Source(), help="URL or folder with the four .gz files "
+                        "(default: MNIST_MIRROR, then upstream)")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default="data/mnist", help="folder for the decompressed IDX files")
-    parser.add_argument("--mirror", default=None, help="URL or folder with the four .gz files (default: MNIST_MIRROR, then upstream)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     try:
         download(args.root, args.mirror)
         for split in SPLITS:

@@ -28,8 +28,10 @@ import accounting
 import perf_model
 import strategies
 from comm_counter import CommCounter
-from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_choices, check_hardware,
-                       check_launcher, launch, cpu_name, nonfinite_message, opt, parse_config, run_main, uses_gpu)
+import flags
+from flags import opt
+from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_hardware,
+                       check_launcher, launch, cpu_name, nonfinite_message, run_main, uses_gpu)
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -47,67 +49,60 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 
 @dataclass
 class Config:
-    # --- model (a preset; any dimension can be overridden)
-    model: str = opt("tiny", "model preset", tuple(PRESETS))
-    n_embd: int = opt(0, "hidden size (0: the preset's)")
-    n_layer: int = opt(0, "transformer blocks (0: the preset's)")
-    n_head: int = opt(0, "attention heads (0: the preset's)")
-    seq_len: int = opt(0, "tokens per sample (0: the preset's context length)")
-    vocab_size: int = opt(0, "vocabulary size (0: the preset's)")
-    dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step")
-    # --- data: a fixed set of samples, the same for every strategy
+    model: str = opt("tiny", "model preset", tuple(PRESETS), group="model (a preset; any dimension can be overridden)")
+    n_embd: int = opt(0, "hidden size (0: the preset's)", min=0)
+    n_layer: int = opt(0, "transformer blocks (0: the preset's)", min=0)
+    n_head: int = opt(0, "attention heads (0: the preset's)", min=0)
+    seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=0)
+    vocab_size: int = opt(0, "vocabulary size (0: the preset's)", min=2, zero=True)
+    dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step", min=0, below=1)
     dataset: str = opt("random", "random tokens (as the course), or ramp (x[t+1] = x[t] + 1: learnable)",
-                       ("random", "ramp"))
-    num_samples: int = opt(256, "samples trained on in total = steps x micro-batch x accumulation x data-parallel size")
-    micro_batch_size: int = opt(4, "samples per data-parallel rank per forward/backward (per pipeline micro-batch)")
-    grad_accum: int = opt(1, "micro-batches per optimizer step (pipeline parallel: micro-batches in flight)")
-    steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); the run can be resumed further")
-    seed: int = opt(1234, "seed of the weights and the data")
-    # --- optimization
-    optimizer: str = opt("adamw", "adamw (betas 0.9/0.95), or plain sgd (exact parity checks)", ("adamw", "sgd"))
-    lr: float = opt(0.0, "peak learning rate (0: 5e-4 for 1.6b, as the course, else 6e-4)")
-    warmup_steps: int = opt(2, "linear warm-up steps before the cosine decay")
-    weight_decay: float = opt(0.1, "AdamW weight decay on matrices")
-    grad_clip: float = opt(1.0, "max global gradient norm (0: off); in the DeepSpeed config under DeepSpeed")
-    # --- where and how it runs (Fabric)
-    accelerator: str = opt("auto", "cpu, gpu, cuda or auto", ("auto", "cpu", "gpu", "cuda"))
-    devices: int = opt(1, "processes (devices) per node")
-    num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
-    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or has stopped answering, then stop "
-                              "with a message (several nodes, torchrun, SLURM)")
-    strategy: str = opt("auto", "how the model is spread over the processes (see strategies.py)", STRATEGIES)
-    tp_size: int = opt(0, "tensor-parallel group size for tp/fsdp_tp (0: all processes)")
-    pp_size: int = opt(0, "pipeline stages for pp (0: all processes)")
-    pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b",
-                           ("1f1b", "gpipe"))
-    precision: str = opt("32-true", "Fabric precision", PRECISIONS)
-    loss_scale_power: int = opt(16, "16-mixed: initial loss scale 2^N (DeepSpeed's initial_scale_power); a step whose "
-                                "gradients overflow is skipped and the scale halved")
-    nvme_path: str = opt("", "with deepspeed_stage_3_offload: offload to NVMe at this path instead of CPU RAM")
+                       ("random", "ramp"), group="data: a fixed set of samples, the same for every strategy")
+    num_samples: int = opt(256, "samples in all = steps x micro-batch x accumulation x data-parallel size", min=1)
+    micro_batch_size: int = opt(4, "samples per data-parallel rank per forward/backward", min=1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step (pp: micro-batches in flight)", min=1)
+    steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0)
+    seed: int = opt(1234, "seed of the weights and the data", min=0)
+    optimizer: str = opt("adamw", "adamw (betas 0.9/0.95), or plain sgd (exact parity checks)", ("adamw", "sgd"),
+                         group="optimisation")
+    lr: float = opt(0.0, "peak learning rate (0: 5e-4 for 1.6b, as the course, else 6e-4)", min=0)
+    warmup_steps: int = opt(2, "linear warm-up steps before the cosine decay", min=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay on matrices", min=0)
+    grad_clip: float = opt(1.0, "max global gradient norm (0: off)", min=0)
+    accelerator: str = opt("auto", "where it runs", ("auto", "cpu", "gpu", "cuda"), group="parallelism (Fabric)")
+    devices: int = opt(1, "processes (devices) per node", min=1)
+    num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM", min=1)
+    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or stopped answering", above=0)
+    strategy: str = opt("auto", "one of auto, ddp, fsdp, tp, fsdp_tp, pp, deepspeed_stage_1/2/3, "
+                       "deepspeed_stage_2/3_offload (docs/gpt.md)", STRATEGIES)
+    tp_size: int = opt(0, "tensor-parallel group size for tp/fsdp_tp (0: all processes)", min=0)
+    pp_size: int = opt(0, "pipeline stages for pp (0: all processes)", min=0)
+    pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b", ("1f1b", "gpipe"))
+    precision: str = opt("32-true", "Fabric precision", PRECISIONS, group="precision and memory")
+    loss_scale_power: int = opt(16, "16-mixed: initial loss scale 2^N; an overflowed step is skipped", min=0, max=40)
+    nvme_path: str = opt("", "deepspeed_stage_3_offload: offload to NVMe at this folder instead of CPU RAM",
+                         check=flags.Folder(optional=True))
     grad_checkpointing: bool = opt(False, "recompute activations in backward: less memory, ~1/3 more compute")
     compile: bool = opt(False, "torch.compile the model")
-    # --- measurement and output
-    timing_warmup: int = opt(2, "first optimizer steps of each process left out of time and throughput")
-    log_every: int = opt(1, "optimizer steps between log lines")
-    plan: bool = opt(False, "print the memory and time plan and exit without training")
-    cluster: str = opt("", "node type the plan is for: a100-sxm-80g (the course's), h100-sxm, h200-sxm, h100-pcie, "
-                           "h100-sxm-eth, or cpu (measured here); default: the visible GPU's, else a100-sxm-80g")
-    tokens: float = opt(0.0, "with --plan: tokens to train on, for the days and device-hours (e.g. 15e12)")
-    plan_json: str = opt("", "with --plan: also write the plan as JSON to this path")
-    search: bool = opt(False, "plan every strategy x tp x pp x micro-batch x checkpointing x offload on the cluster "
-                              "at this global batch, and rank what fits by predicted tokens/s")
-    count_comms: bool = opt(False, "record the collectives and transfers of one optimizer step after warm-up "
-                                   "(comm_counted in record.json) beside the plan's (comm_planned)")
-    device_memory_gb: float = opt(0.0, "memory per device for --plan (0: the visible GPU's)")
-    host_memory_gb: float = opt(0.0, "host memory this machine's processes may use (0: what is available now); a run "
-                                     "whose host plan does not fit is refused before the model is built")
-    out_dir: str = opt("runs", "folder holding one folder per run")
-    run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)")
-    checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)")
-    keep_last: int = opt(2, "checkpoints kept")
-    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder")
-    export: bool = opt(False, "at the end, write runs/<run>/gpt2_state_dict.pt: the whole model as one ordinary "
-                              "GPT-2 state dict, whatever the strategy")
+    plan: bool = opt(False, "print the memory and time plan and exit without training", group="planning")
+    cluster: str = opt("", "plan for a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie, h100-sxm-eth or cpu (measured "
+                       "here); default: this GPU's, else a100-sxm-80g", ("", *perf_model.CLUSTERS, "cpu"))
+    tokens: float = opt(0.0, "with --plan: tokens to train on, for the days and device-hours (e.g. 15e12)", min=0)
+    plan_json: str = opt("", "with --plan: also write the plan as JSON to this path", check=flags.OutFile(optional=True))
+    search: bool = opt(False, "rank every strategy x tp x pp x micro-batch x checkpointing x offload that fits")
+    count_comms: bool = opt(False, "record one step's collectives (comm_counted in record.json) beside the plan's")
+    device_memory_gb: float = opt(0.0, "memory per device for --plan (0: the visible GPU's)", min=0)
+    host_memory_gb: float = opt(0.0, "host memory this machine's processes may use (0: what is available now)",
+                                min=0)
+    timing_warmup: int = opt(2, "first optimizer steps left out of time and throughput", min=0,
+                             group="run, measurement and checkpoints")
+    log_every: int = opt(1, "optimizer steps between log lines", min=1)
+    out_dir: str = opt("runs", "folder holding one folder per run", check=flags.Folder())
+    run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)", check=flags.RunName())
+    checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)", min=0)
+    keep_last: int = opt(2, "checkpoints kept", min=1)
+    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder", check=flags.Resume())
+    export: bool = opt(False, "at the end, write runs/<run>/gpt2_state_dict.pt: one GPT-2 state dict, any strategy")
 
 
 # grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it)
@@ -358,7 +353,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             loss_value = mean_loss(fabric, cfg, loss)
             progress.losses.append([step, loss_value])
             progress.grad_norms.append([step, norm])
-            log_step(run, step, total_steps, loss_value, norm, step_time, tokens_per_step, flops, skipped)
+            log_step(run, step, stop_at, loss_value, norm, step_time, tokens_per_step, flops, skipped)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping or step == stop_at:
             run.save(step)
         if stopping:
@@ -381,13 +376,13 @@ def sync(device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- output
-def log_step(run: Run, step, total_steps, loss, norm, step_time, tokens_per_step, flops, skipped=False) -> None:
+def log_step(run: Run, step, stop_at, loss, norm, step_time, tokens_per_step, flops, skipped=False) -> None:
     fabric = run.fabric
     tokens_s = tokens_per_step / step_time
     metrics = {"train/loss": loss, "train/grad_norm": norm, "perf/step_time_s": step_time, "perf/tokens_per_s": tokens_s,
                "perf/tflops_per_device": flops["standard"] * tokens_s / fabric.world_size / 1e12}
     run.logger.log_metrics(metrics, step=step)
-    fabric.print(f"step {step:>4}/{total_steps} | loss {loss:.4f} | grad norm {norm:.3f} | {1e3 * step_time:8.1f} ms | "
+    fabric.print(f"step {step:>4}/{stop_at} | loss {loss:.4f} | grad norm {norm:.3f} | {1e3 * step_time:8.1f} ms | "
                  f"{tokens_s:,.0f} tok/s | {metrics['perf/tflops_per_device']:.3f} TFLOPS/device"
                  + (" | skipped: gradients overflowed the fp16 loss scale, which is now halved" if skipped else ""))
 
@@ -397,9 +392,10 @@ def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: d
     """The figures of the run, measured over the timed (post-warm-up) steps of this process's life."""
     steps, seconds = result["timed_steps"], result["timed_time_s"]
     tokens_per_step = samples_per_step(cfg) * cfg.seq_len
-    step_time = seconds / steps if steps else float("nan")
-    tokens_s = tokens_per_step / step_time if steps else float("nan")
-    per_device = lambda f: f * tokens_s / fabric.world_size / 1e12  # noqa: E731
+    # None (null in record.json) when every step of the run was warm-up: not timed, rather than NaN
+    step_time = seconds / steps if steps else None
+    tokens_s = tokens_per_step / step_time if steps else None
+    per_device = lambda f: f * tokens_s / fabric.world_size / 1e12 if steps else None  # noqa: E731
     peak_flops, peak_source = peak
     memory = {k: float(fabric.all_reduce(torch.tensor(v, device=fabric.device), reduce_op="max"))
               for k, v in accounting.peak_memory(fabric.device).items()}  # the largest across ranks
@@ -409,7 +405,8 @@ def summarize(fabric: Fabric, cfg: Config, result: dict, n_params: int, flops: d
         "data_parallel_size": strategies.data_parallel_size(cfg), "device": str(fabric.device.type),
         "device_name": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else cpu_name(),
         "steps": progress.step, "timed_steps": steps, "step_time_s": step_time,
-        "train_time_s": progress.train_time_s, "tokens_per_s": tokens_s, "samples_per_s": tokens_s / cfg.seq_len,
+        "train_time_s": progress.train_time_s, "tokens_per_s": tokens_s,
+        "samples_per_s": tokens_s / cfg.seq_len if steps else None, "timing_warmup": cfg.timing_warmup,
         "tflops_per_device": per_device(flops["standard"]), "tflops_per_device_8n": per_device(flops["course_8n"]),
         "mfu": per_device(flops["standard"]) * 1e12 / peak_flops if peak_flops and steps else None,
         "peak_flops": peak_flops, "peak_flops_source": peak_source,
@@ -427,15 +424,18 @@ def print_summary(fabric: Fabric, r: dict) -> None:
     setup = ", ".join(f"{k} {v:.2f}" for k, v in r.get("memory_setup", {}).items())
     mfu = f"{100 * r['mfu']:.2f}% of {r['peak_flops'] / 1e12:.2f} TFLOPS ({r['peak_flops_source']})" if r["mfu"] is not None \
         else f"unknown ({r['peak_flops_source']})"
+    timed = r["timed_steps"] > 0
+    not_timed = (f"not timed: {r['steps']} steps here, all of them warm-up (--timing-warmup {r['timing_warmup']}); "
+                 f"run more steps or lower --timing-warmup")
     fabric.print(f"\n{'model':<22}{r['model']} ({r['n_params'] / 1e6:,.2f}M parameters)\n"
                  f"{'strategy / precision':<22}{r['strategy']} / {r['precision']} on {r['world_size']} x {r['device_name']}"
                  f" (dp {r['data_parallel_size']}, tp {r['tp_size']}, pp {r['pp_size']})\n"
                  f"{'steps (timed)':<22}{r['steps']} ({r['timed_steps']})\n"
-                 f"{'step time':<22}{1e3 * r['step_time_s']:.1f} ms\n"
-                 f"{'throughput':<22}{r['tokens_per_s']:,.0f} tokens/s, {r['samples_per_s']:,.2f} samples/s\n"
-                 f"{'TFLOPS per device':<22}{r['tflops_per_device']:.3f} (6N+attention), {r['tflops_per_device_8n']:.3f} (course, 8N)\n"
-                 f"{'MFU':<22}{mfu}\n"
-                 f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
+                 + (f"{'step time':<22}{1e3 * r['step_time_s']:.1f} ms\n"
+                    f"{'throughput':<22}{r['tokens_per_s']:,.0f} tokens/s, {r['samples_per_s']:,.2f} samples/s\n"
+                    f"{'TFLOPS per device':<22}{r['tflops_per_device']:.3f} (6N+attention), {r['tflops_per_device_8n']:.3f} (course, 8N)\n"
+                    f"{'MFU':<22}{mfu}\n" if timed else f"{'step time':<22}{not_timed}\n")
+                 + f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
                  f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}"
                  + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} at "
                     f"efficiency {r['predicted']['efficiency']} (perf_model.py)" if r.get("predicted") else ""))
@@ -494,14 +494,7 @@ def print_time_plan(cfg: Config, t: dict) -> None:
 # ----------------------------------------------------------------------------- main
 def validate(cfg: Config) -> None:
     """Refuse impossible settings before any model is built, each with the flag and the fix."""
-    check_choices(cfg)
-    for name in ("n_embd", "n_layer", "n_head", "seq_len", "vocab_size", "num_samples", "micro_batch_size",
-                 "grad_accum", "devices", "num_nodes", "log_every", "keep_last"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("steps", "tp_size", "pp_size", "checkpoint_every", "timing_warmup", "warmup_steps"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    flags.check_config(cfg)  # each flag's own range, again for a config built in Python
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
     if cfg.nvme_path and cfg.strategy != "deepspeed_stage_3_offload":
@@ -566,7 +559,7 @@ def check_host_memory(cfg: Config, on_gpu: bool) -> None:
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     offload = f", of which offload {gib(host['offload'])}" if host["offload"] else ""
     fixes = []
-    for flags, change in (("--grad-checkpointing", {"grad_checkpointing": True}),
+    for advice, change in (("--grad-checkpointing", {"grad_checkpointing": True}),
                           ("--micro-batch-size 1", {"micro_batch_size": 1}),
                           ("--strategy deepspeed_stage_3 --grad-checkpointing", {"strategy": "deepspeed_stage_3", "grad_checkpointing": True}),
                           ("--strategy deepspeed_stage_3_offload --nvme-path DIR --grad-checkpointing --micro-batch-size 1",
@@ -576,7 +569,7 @@ def check_host_memory(cfg: Config, on_gpu: bool) -> None:
             continue
         need = host_plan(other, on_gpu)["machine"]
         if host_fits(need, available):
-            fixes.append(f"{flags} ({gib(need)})")
+            fixes.append(f"{advice} ({gib(need)})")
     raise ConfigError(
         f"this run needs about {gib(host['machine'])} of host memory and {gib(available)} is available (the plan keeps "
         f"10%): {cfg.devices} process(es) x {gib(host['per_process'])} = libraries {gib(host['baseline'])} + the larger of "
@@ -615,7 +608,7 @@ def validate_parallel_sizes(cfg: Config) -> None:
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, __doc__)
+    return flags.parse_config(Config, argv, __doc__, prog="fabric_gpt.py")
 
 
 def main(argv=None):
@@ -714,6 +707,7 @@ def run(cfg: Config) -> dict:
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
                  f"{micro} x {cfg.grad_accum} x {strategies.data_parallel_size(cfg)} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
+    announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
     with StopRequest() as run.stop:
         result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step)
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress, peak)
@@ -737,6 +731,27 @@ def run(cfg: Config) -> dict:
     record = run.finish(record)
     print_summary(fabric, record)
     return record
+
+
+def announce_duration(fabric: Fabric, cfg: Config, n_params: int, peak: tuple, steps: int) -> None:
+    """A run that the performance model plans at over a minute says so before its first step, so that no one
+    waits on a silent step. On a CPU the plan counts compute at the measured peak (communication would add)."""
+    if fabric.device.type == "cuda":
+        cluster = perf_model.CLUSTERS.get(perf_model.cluster_of_gpu(torch.cuda.get_device_name(fabric.device)) or "")
+    else:
+        cluster = perf_model.cpu_cluster(cfg.precision, peak[0]) if peak[0] else None
+    if cluster is None or steps <= 0:
+        return
+    seconds = perf_model.time_plan(cfg, cluster, n_params)["step_time_s"] * steps
+    if seconds > 60:
+        fabric.print(f"planned: about {duration(seconds)} for {steps} step{'s' * (steps > 1)} (perf_model.py on "
+                     f"{cluster.device}{', at least' if cluster.name == 'cpu' else ''}); Ctrl-C stops cleanly at the end of "
+                     "a step with a checkpoint, and --resume auto continues", flush=True)
+
+
+def duration(seconds: float) -> str:
+    return (f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400
+            else f"{seconds / 3600:.1f} h")
 
 
 def disk_io() -> dict:

@@ -9,7 +9,6 @@ Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json an
 """
 
 import ctypes
-import dataclasses
 import fcntl
 import json
 import math
@@ -31,9 +30,11 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 import datasets_local
 from gelu_ext import GeluBuildError
-from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_choices,
-                       check_hardware, check_launcher, launch, cpu_name, cpu_units, nonfinite_message, opt, parse_config, progress_bar, run_main,
-                       uses_gpu, write_json_atomic)
+import flags
+from flags import opt
+from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_hardware,
+                       check_launcher, launch, cpu_name, cpu_units, nonfinite_message, progress_bar, run_main, uses_gpu,
+                       write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -42,52 +43,51 @@ PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true
 
 @dataclass
 class Config:
-    # --- where and how it runs (Fabric)
-    accelerator: str = opt("auto", "cpu, gpu, cuda, mps or auto", ("auto", "cpu", "gpu", "cuda", "mps"))
-    devices: int = opt(1, "devices (processes) per node")
-    num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM")
-    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or has stopped answering, then stop "
-                              "with a message (several nodes, torchrun, SLURM)")
-    strategy: str = opt("auto", "ddp: one process per device; dp: one process, several GPUs", STRATEGIES)
-    precision: str = opt("auto", "auto: bf16-mixed on GPUs (16-mixed without bf16); on CPUs the faster of 32-true "
-                         "and bf16-mixed, timed once per machine and settings (cached in --cache-dir)", PRECISIONS)
+    accelerator: str = opt("auto", "where it runs", ("auto", "cpu", "gpu", "cuda", "mps"), group="where and how it runs")
+    devices: int = opt(1, "devices (processes) per node", min=1)
+    num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM", min=1)
+    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or stopped answering", above=0)
+    strategy: str = opt("auto", "auto: one device; ddp: one process per device; dp: one process, several GPUs",
+                        STRATEGIES)
+    precision: str = opt("auto", "auto (bf16-mixed on GPUs, the faster of two on CPUs: docs/lenet.md), 32-true, "
+                         "16-mixed, bf16-mixed, bf16-true, 64-true", PRECISIONS)
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
-    pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many, the extra ones held at "
-                            "zero (same parameters and results; faster pooling, docs/lenet.md); 0: off")
-    # --- optimization
+    pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
+                            min=6, max=64, zero=True)
     # Batch 512 (lr 8e-3): as accurate as 128 or 256, at 1.2-1.5x the samples/s on 2 CPU cores, where a step's
     # fixed cost dominates small batches. 16 epochs with label smoothing: 99.42% mean over 5 seeds, against
     # 99.35% for 12 or 16 epochs without it (make bench-lenet)
-    epochs: int = opt(16, "passes over the training set")
-    batch_size: int = opt(512, "global batch: split evenly across all processes")
-    lr: float = opt(8e-3, "peak learning rate of the schedule")
+    epochs: int = opt(16, "passes over the training set", min=1, group="optimisation")
+    batch_size: int = opt(512, "global batch: split evenly across all processes", min=1, max=60000)
+    lr: float = opt(8e-3, "peak learning rate of the schedule", above=0)
     optimizer: str = opt("adamw", "adamw, or sgd (momentum 0.9, nesterov)", ("adamw", "sgd"))
     schedule: str = opt("onecycle", "onecycle (warm-up then cosine decay), cosine, constant",
                         ("onecycle", "cosine", "constant"))
-    weight_decay: float = opt(5e-4, "decoupled weight decay (AdamW) or L2 (SGD)")
-    label_smoothing: float = opt(0.1, "share of each target spread over the other classes (docs/lenet.md)")
-    seed: int = opt(0, "seed of the weights, the data order and the augmentation")
-    # --- model and data
-    activation: str = opt("relu", "relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/)", ACTIVATIONS)
+    weight_decay: float = opt(5e-4, "decoupled weight decay (AdamW) or L2 (SGD)", min=0)
+    label_smoothing: float = opt(0.1, "share of each target spread over the other classes", min=0, below=1)
+    seed: int = opt(0, "seed of the weights, the data order and the augmentation", min=0)
+    activation: str = opt("relu", "relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/)", ACTIVATIONS,
+                          group="model and data")
     gelu_approximate: str = opt("none", "GELU form for the gelu_* activations: none (erf) or tanh", ("none", "tanh"))
     augment: bool = opt(True, "random shifts of up to 2 pixels")
-    data: str = opt("memory", "memory: whole split as tensors, batched by slicing; loader: Dataset + DataLoader",
+    data: str = opt("memory", "memory: whole split as tensors, sliced; loader: Dataset + DataLoader",
                     ("memory", "loader"))
-    num_workers: int = opt(0, "DataLoader worker processes (--data loader only)")
-    data_dir: str = opt("data/mnist", "folder for the MNIST files")
-    mirror: str = opt("", "URL or folder with the MNIST .gz files (default: $MNIST_MIRROR, then upstream)")
-    train_samples: int = opt(0, "train on the first N training images only (0: all 60,000); for quick runs")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0: run all epochs); for smoke tests")
-    # --- output and resumption
-    out_dir: str = opt("runs", "folder holding one folder per run")
-    run_name: str = opt("", "run folder name (default: lenet-<activation>-<date-time>)")
-    log_every: int = opt(50, "steps between train-loss log points")
-    eval_every: int = opt(0, "steps between extra test evaluations (0: only at epoch ends)")
-    checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)")
-    keep_last: int = opt(3, "checkpoints kept")
-    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder")
-    cache_dir: str = opt("~/.cache/fabric-lab", "where --precision auto keeps its timings per machine")
+    num_workers: int = opt(0, "DataLoader worker processes (--data loader only)", min=0, max=256)
+    data_dir: str = opt("data/mnist", "folder for the MNIST files", check=flags.Folder())
+    mirror: str = opt("", "URL or folder with the MNIST .gz files (default: $MNIST_MIRROR, then upstream)",
+                      check=flags.Source())
+    train_samples: int = opt(0, "train on the first N training images only (0: all 60,000)", min=1, max=60000, zero=True)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0: run all epochs); for smoke tests", min=0)
+    out_dir: str = opt("runs", "folder holding one folder per run", check=flags.Folder(), group="output and resumption")
+    run_name: str = opt("", "run folder name (default: lenet-<activation>-<date-time>)", check=flags.RunName())
+    log_every: int = opt(50, "steps between train-loss log points", min=1)
+    eval_every: int = opt(0, "steps between extra test evaluations (0: only at epoch ends)", min=0)
+    checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)", min=0)
+    keep_last: int = opt(3, "checkpoints kept", min=1)
+    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder", check=flags.Resume())
+    cache_dir: str = opt("~/.cache/fabric-lab", "where --precision auto keeps its timings per machine",
+                         check=flags.Folder())
     tb_images: bool = opt(True, "confusion matrix, misclassified digits, feature maps, histograms in TensorBoard")
 
 
@@ -425,18 +425,7 @@ def print_summary(fabric: Fabric, summary: dict) -> None:
 # ----------------------------------------------------------------------------- main
 def validate(cfg: Config) -> None:
     """Every impossible combination is refused here, before data or model are touched."""
-    check_choices(cfg)
-    for name in ("epochs", "batch_size", "devices", "num_nodes", "log_every", "keep_last"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ("num_workers", "train_samples", "max_steps", "eval_every", "checkpoint_every"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
-    if not 0 <= cfg.label_smoothing < 1:
-        raise ConfigError(f"--label-smoothing is a share of the target, from 0 up to (not including) 1, "
-                          f"got {cfg.label_smoothing}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    flags.check_config(cfg)  # each flag's own range, again for a config built in Python
     world = cfg.devices * cfg.num_nodes
     if cfg.batch_size % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
@@ -448,9 +437,6 @@ def validate(cfg: Config) -> None:
                           "on CPU use --strategy ddp")
     if cfg.strategy == "dp" and cfg.num_nodes > 1:
         raise ConfigError("--strategy dp runs in one process on one node; use ddp for several nodes")
-    if 0 < cfg.pad_channels < 6:
-        raise ConfigError(f"--pad-channels is the channel count conv1 is computed in: 0 (off) or at least 6, "
-                          f"got {cfg.pad_channels}")
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
     if cfg.activation == "gelu_cpp":
@@ -566,7 +552,7 @@ def probe_line(probe: dict) -> str:
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, __doc__)
+    return flags.parse_config(Config, argv, __doc__, prog="fabric_lenet.py")
 
 
 def main(argv=None) -> dict:

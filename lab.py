@@ -8,7 +8,6 @@ A stage whose result is on disk is skipped; an interrupted LeNet-5 run continues
 an interrupted benchmark keeps its finished cases. Each stage's output goes to runs/lab/logs/<stage>.log.
 """
 
-import argparse
 import csv
 import dataclasses
 import functools
@@ -378,15 +377,26 @@ def nvidia_smi() -> str:
         return f"nvidia-smi could not run: {e}"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="lab", choices=("lab", GPU_CHECK))
-    parser.add_argument("--runs", default="runs", help="folder holding the runs and benchmarks")
+def build_parser():
+    from flags import Folder, Names, Parser, choice
+
+    stage_names = [s.name for s in lab_stages(Path("runs"), "data/mnist", "report")]
+    parser = Parser(description=__doc__, prog="lab.py")
+    parser.add_argument("command", nargs="?", default="lab", type=choice(("lab", GPU_CHECK)),
+                        help=f"lab (default), or {GPU_CHECK} on a CUDA machine")
+    parser.add_argument("--runs", default="runs", type=Folder(), help="folder holding the runs and benchmarks (default: runs)")
     parser.add_argument("--force", action="store_true", help="recompute every stage, even those with results on disk")
-    parser.add_argument("--stages", default="", help="comma-separated stage names to run (default: all)")
-    parser.add_argument("--data-dir", default="data/mnist", help="folder for the MNIST files")
-    parser.add_argument("--report-dir", default="report", help="folder for REPORT.md and its figures")
-    args = parser.parse_args(argv)
+    parser.add_argument("--stages", default="", type=Names(stage_names), help="comma-separated stage names to run "
+                        "(default: all)")
+    parser.add_argument("--data-dir", default="data/mnist", type=Folder(), help="folder for the MNIST files "
+                        "(default: data/mnist)")
+    parser.add_argument("--report-dir", default="report", type=Folder(), help="folder for REPORT.md and its figures "
+                        "(default: report)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return lab(args) if args.command == "lab" else gpu_check(args)
 
 

@@ -93,16 +93,23 @@ def cluster_named(name: str, precision: str = "32-true") -> Cluster:
 def measured_cpu_cluster(precision: str) -> Cluster:
     """This machine, measured now: the matmul probe for the peak, gloo all-reduces between 2 processes for
     the link. A CPU's cores compute and move bytes in turn, so nothing overlaps."""
+    return cpu_cluster(precision, accounting.measured_cpu_matmul_flops(precision), measure_gloo_link())
+
+
+def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None) -> Cluster:
+    """This machine with a measured matmul peak and, when given, a measured (latency s, bandwidth B/s) link;
+    without one, communication is planned as free (a lower bound of the step)."""
     import psutil
 
-    peak = accounting.measured_cpu_matmul_flops(precision)
-    latency, bandwidth = measure_gloo_link()
+    latency, bandwidth = link or (0.0, math.inf)
     kind = accounting.dtype_kind(precision)
+    measured_link = (f"gloo all-reduce latency {latency * 1e6:.0f} us and bandwidth {bandwidth / GB:.2f} GB/s" if link
+                     else "communication not counted")
     return Cluster("cpu", "this CPU (measured)", {kind: peak}, psutil.virtual_memory().total, 64,
                    intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth, inter_latency=latency,
                    pcie_bw=math.inf, nvme_bw=2 * GB, host_adam_params_per_s=2e8, efficiency=CPU_EFFICIENCY,
-                   overlap=False, shared_cores=True, source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), gloo all-reduce latency "
-                                         f"{latency * 1e6:.0f} us and bandwidth {bandwidth / GB:.2f} GB/s")
+                   overlap=False, shared_cores=True,
+                   source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), {measured_link}")
 
 
 # The share of the matmul probe a GPT-2 step reaches on CPU (elementwise ops, attention, the optimizer):

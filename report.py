@@ -6,7 +6,6 @@
 Sections whose runs are missing or unreadable say so, and which command produces them; never a traceback.
 """
 
-import argparse
 import json
 import sys
 import traceback
@@ -291,19 +290,29 @@ def section_environment(rep: Report, runs: Path) -> None:
     rep.add("| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in env.items()], "")
 
 
+def build_parser():
+    from flags import Folder, Parser
+
+    parser = Parser(description=__doc__, prog="report.py")
+    parser.add_argument("--runs", default="runs", type=Folder(create=False), help="folder holding the runs "
+                        "(default: runs; it must exist: run make lenet first)")
+    parser.add_argument("--out", default="report", type=Folder(), help="folder for REPORT.md and the figures "
+                        "(default: report)")
+    parser.add_argument("--lenet", default=None, type=Folder(create=False), help="a LeNet run folder (default: the "
+                        "newest finished relu run, else the newest)")
+    parser.add_argument("--gpt-bench", default=None, type=Folder(create=False), help="a bench-gpt-* folder (default: "
+                        "the newest)")
+    return parser
+
+
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="runs", help="folder holding the runs")
-    parser.add_argument("--out", default="report", help="folder for REPORT.md and the figures")
-    parser.add_argument("--lenet", default=None, help="a LeNet run folder (default: the newest finished relu run, else the newest)")
-    parser.add_argument("--gpt-bench", default=None, help="a bench-gpt-* folder (default: the newest)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     runs = Path(args.runs)
     rep = Report(Path(args.out))
     rep.add("# fabric-lab report", "", f"Written by `make report` on {datetime.now():%Y-%m-%d %H:%M} from `{runs}/`; "
             "every figure below comes from a run on disk.", "")
-    if not runs.is_dir() or not any(runs.iterdir()):
-        rep.note(f"`{runs}/` is empty or missing: nothing has run yet. Start with `make lenet`.")
+    if not any(runs.iterdir()):
+        rep.note(f"`{runs}/` is empty: nothing has run yet. Start with `make lenet`.")
     rep.section("LeNet-5 on MNIST", section_lenet, runs, Path(args.lenet) if args.lenet else None)
     rep.section("LeNet-5 benchmark", section_lenet_bench, runs)
     rep.section("GELU operator", section_gelu, runs)

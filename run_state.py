@@ -47,40 +47,6 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-# ----------------------------------------------------------------------------- flags
-def opt(default, help: str, choices=None):
-    """A config field with its one-line help (and choices), which becomes one argparse flag."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
-
-
-def parse_config(config_class, argv, description: str):
-    """argparse built from a config dataclass: one flag per field (--some-field) with its help, default
-    and choices; --x/--no-x for booleans."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(config_class):
-        flag, help_, choices = "--" + f.name.replace("_", "-"), f.metadata.get("help", ""), f.metadata.get("choices")
-        shown = f"{help_} (default: {f.default!r})" if f.default not in ("", 0) or isinstance(f.default, bool) else help_
-        if choices:
-            shown += f"; one of: {', '.join(map(str, choices))}"
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=shown)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices, help=shown,
-                                metavar=f.name.upper() if choices else None)
-    return config_class(**vars(parser.parse_args(argv)))
-
-
-def check_choices(cfg) -> None:
-    """Choices checked again for configs built in Python rather than from flags."""
-    for f in dataclasses.fields(cfg):
-        allowed = f.metadata.get("choices")
-        if allowed and getattr(cfg, f.name) not in allowed:
-            raise ConfigError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} is not one of "
-                              f"{', '.join(map(str, allowed))}")
-
-
 def check_launcher(num_nodes: int, devices: int, script: str, node_timeout: float = 60.0) -> None:
     """--num-nodes above 1 needs every node started, by a launcher (torchrun, srun) or by hand with the address of
     node 0 (MASTER_ADDR, MASTER_PORT, NODE_RANK, as Fabric reads them). Started alone, a process would wait for the

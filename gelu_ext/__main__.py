@@ -3,7 +3,6 @@
 Both print a table and write a JSON record to runs/gelu/ for `make report`.
 """
 
-import argparse
 import json
 import os
 import platform
@@ -120,14 +119,23 @@ def bench(args) -> int:
     return 0
 
 
+def build_parser():
+    from flags import Folder, Parser, choice, number
+
+    parser = Parser(description=__doc__, prog="python -m gelu_ext")
+    parser.add_argument("command", type=choice(("check", "bench")), help="check: errors and gradcheck; bench: speed")
+    parser.add_argument("--numel", type=number(int, min=1, max=2**31 - 1), default=16 * 1024 * 1024,
+                        help="bench: elements of the test tensor (default: 16M)")
+    parser.add_argument("--repeats", type=number(int, min=1, max=10**6), default=21, help="bench: timed repetitions "
+                        "(default: 21)")
+    parser.add_argument("--out", default="runs/gelu", type=Folder(), help="folder for the JSON record (default: runs/gelu)")
+    parser.add_argument("--device", default="cpu", type=choice(("cpu", "cuda")), help="where the tensors live "
+                        "(default: cpu; cuda: the C++ op's CUDA path)")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("command", choices=("check", "bench"))
-    parser.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="bench: elements of the test tensor")
-    parser.add_argument("--repeats", type=int, default=21, help="bench: timed repetitions")
-    parser.add_argument("--out", default="runs/gelu", help="folder for the JSON record")
-    parser.add_argument("--device", default="cpu", help="where the tensors live: cpu or cuda (the C++ op's CUDA path)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit(f"error: --device {args.device}: no CUDA GPU is visible here; use --device cpu")
     try:

@@ -184,3 +184,31 @@ def test_truncated_http_body_is_one_clear_error_and_leaves_nothing(tmp_path):
     assert "IncompleteRead" in str(err.value) or "incomplete" in str(err.value).lower(), err.value
     assert "MNIST_MIRROR" in str(err.value)
     assert not any((tmp_path / "root").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["truncated gz", "wrong size"])
+def test_a_damaged_local_file_offline_is_named_before_the_failed_fetch(tmp_path, mnist_dir, damage):
+    """A damaged file in --data-dir with no network: the message says first what is wrong with that file, then that
+    no fresh copy could be had, then the fix; the file itself is left as it was."""
+    name = "train-images-idx3-ubyte"  # the first file download() wants
+    good = (mnist_dir / name).read_bytes()
+    if damage == "truncated gz":
+        path, data = tmp_path / f"{name}.gz", gzip.compress(good)[:5000]
+    else:
+        path, data = tmp_path / name, good[:-100]
+    path.write_bytes(data)
+    with pytest.raises(MNISTError) as err:
+        dl.download(tmp_path, mirror=str(tmp_path / "no-mirror-here"), quiet=True)
+    message = str(err.value)
+    said = "5,000 bytes that are not a whole gzip file" if damage == "truncated gz" else "47,039,916 bytes where MNIST's has 47,040,016"
+    assert message.startswith(f"{path} is damaged: ") and said in message, message
+    assert message.index(said) < message.index("could not be fetched") < message.index("Fix: delete the damaged file")
+    assert path.read_bytes() == data
+
+
+def test_a_good_gz_in_the_folder_is_used_without_fetching(tmp_path, mnist_dir):
+    for name in dl.SHA256:
+        (tmp_path / f"{name}.gz").write_bytes(gzip.compress((mnist_dir / name).read_bytes()))
+    dl.download(tmp_path, mirror=str(tmp_path / "no-mirror-here"), quiet=True)  # nothing to fetch: no error
+    x, y = dl.load_split(tmp_path, "test")
+    assert x.shape == (10000, 28, 28) and y.shape == (10000,)

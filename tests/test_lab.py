@@ -72,9 +72,11 @@ def test_only_a_complete_checkpoint_makes_a_stage_continue(tmp_path):
 
 
 def test_unknown_stage_is_refused_with_the_list(capsys):
-    assert lab.main(["--stages", "lenet-swish"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        lab.main(["--stages", "lenet-swish"])
     err = capsys.readouterr().err
-    assert "unknown lenet-swish" in err and "bench-gpt" in err
+    assert exit_.value.code == 2 and err.startswith("error: --stages must be a comma-separated list of data, lenet-relu")
+    assert "bench-gpt" in err and err.rstrip().endswith("got lenet-swish (see lab.py --help)")
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path, capsys):

@@ -102,14 +102,13 @@ def test_search_ranks_what_fits_fastest_first(capsys):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--cluster", "tpu-v5"], "known: a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie"),
     (["--cluster", "h100-sxm", "--strategy", "tp", "--devices", "8", "--num-nodes", "2"], "use --strategy fsdp_tp"),
     (["--cluster", "h100-sxm", "--devices", "16"], "use --devices 8 --num-nodes 2"),
     (["--cluster", "h100-sxm-eth", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/nvme"], "no NVMe"),
     (["--search", "--cluster", "h100-sxm", "--n-layer", "400", "--n-embd", "8192", "--n-head", "64"],
      "fits nowhere on 1 x NVIDIA H100 SXM5 80GB"),
 ])
-def test_plan_refuses_what_the_cluster_cannot_run(args, words):
+def test_plan_refuses_what_the_cluster_cannot_run(args, words):  # an unknown --cluster: tests/test_flags.py
     with pytest.raises(SystemExit) as exit_:
         gpt.main(["--model", "1.6b", "--plan", *args])
     message = str(exit_.value.code)

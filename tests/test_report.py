@@ -93,7 +93,8 @@ def test_a_benchmark_keeps_a_finished_case_only_for_the_same_command(tmp_path):
     assert bench.run_case(folder, True, "-c", [script, folder, log, "b"])[1] != "kept"
 
 
-def test_missing_runs_folder_gives_notes(tmp_path):
+def test_empty_runs_folder_gives_notes(tmp_path):
+    (tmp_path / "nothing").mkdir()
     text = report.main(["--runs", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]).read_text()
     assert "nothing has run yet" in text and "`make lenet`" in text and "make bench-gpt" in text
     assert "make bench-lenet" in text

@@ -1,0 +1,315 @@
+"""Command-line flags declared once, with what they allow: every script's parser is built from declarations
+that state a flag's type and range (a number's bounds, its choices, a folder that must exist or be creatable),
+and a value outside it ends in one line, `error: --lr must be a finite number > 0, got nan`, exit 2, before any
+work is done or any folder is made.
+
+A config dataclass declares each field with `opt(default, help, ...)`; `parse_config` turns it into argparse
+flags in the groups the fields name. Plain argparse parsers (bench.py, report.py, lab.py) use the same checks as
+`type=`: `number(...)`, `choice(...)`, `folder(...)`, `out_file(...)`. tests/test_flags.py walks every flag of
+every parser and fails on one that states no range.
+"""
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+
+
+class Check:
+    """An argparse `type=` that parses a string and refuses what the flag does not allow, saying what it allows."""
+
+    allows = "a value"
+    metavar = "VALUE"
+
+    def __call__(self, text: str):
+        raise NotImplementedError
+
+    def refuse(self, text: str):
+        raise argparse.ArgumentTypeError(f"must be {self.allows}, got {shown(text)}")
+
+
+INT_MAX = 2**31 - 1
+
+
+class Number(Check):
+    """An int or a finite float within bounds; `zero` also allows 0 (a flag's "0: off / the default")."""
+
+    def __init__(self, kind=float, min=None, max=None, above=None, below=None, zero=False):
+        self.kind, self.min, self.max, self.above, self.below, self.zero = kind, min, max, above, below, zero
+        if kind is int and max is None:
+            self.max = INT_MAX  # C's int: a count beyond it is a typo, and would overflow far from the flag
+        self.metavar = "N" if kind is int else "X"
+        bounds = [f">= {min}" if min is not None else "", f"> {above}" if above is not None else "",
+                  f"<= {max}" if max is not None else "", f"< {below}" if below is not None else ""]
+        self.allows = (("an integer" if kind is int else "a finite number") + " " + " and ".join(b for b in bounds if b)
+                       + (", or 0" if zero else "")).strip() + (f" (at most {INT_MAX})" if kind is int and max is None else "")
+
+    def __call__(self, text: str):
+        try:
+            value = int(text, 10) if self.kind is int else float(text)
+        except (TypeError, ValueError):
+            self.refuse(text)
+        if self.kind is float and not math.isfinite(value):
+            self.refuse(text)
+        if self.zero and value == 0:
+            return self.kind(0)
+        if ((self.min is not None and value < self.min) or (self.max is not None and value > self.max)
+                or (self.above is not None and value <= self.above) or (self.below is not None and value >= self.below)):
+            self.refuse(text)
+        return value
+
+
+class Choice(Check):
+    def __init__(self, choices):
+        self.choices = tuple(choices)
+        short = "{" + ",".join(c for c in self.choices if c) + "}"
+        self.metavar = short if len(short) <= 16 else "NAME"
+        self.allows = "one of " + ", ".join(c for c in self.choices if c) + (" (or nothing)" if "" in self.choices else "")
+
+    def __call__(self, text: str):
+        if text not in self.choices:
+            self.refuse(text)
+        return text
+
+
+class Names(Check):
+    """A comma-separated list of names from a fixed set (empty: all)."""
+
+    metavar = "A,B"
+
+    def __init__(self, names):
+        self.names = tuple(names)
+        self.allows = "a comma-separated list of " + ", ".join(self.names)
+
+    def __call__(self, text: str):
+        if text and not set(text.split(",")) <= set(self.names):
+            self.refuse(text)
+        return text
+
+
+class Folder(Check):
+    """A folder that exists, or (create=True) that can be made: not a file, under a writable folder.
+    `optional`: the empty string means "not used"."""
+
+    def __init__(self, create: bool = True, optional: bool = False):
+        self.create, self.optional = create, optional
+        self.metavar = "DIR"
+        self.allows = ("a folder that exists or can be created" if create else "an existing folder") + \
+            (" (or nothing)" if optional else "")
+
+    def __call__(self, text: str):
+        if text == "" and self.optional:
+            return text
+        path = Path(text).expanduser()
+        if not text.strip() or (path.exists() and not path.is_dir()):
+            self.refuse(text)
+        if not path.exists() and (not self.create or not writable_parent(path)):
+            self.refuse(text)
+        if path.is_dir() and self.create and not writable(path):
+            raise argparse.ArgumentTypeError(f"must be a folder this user can write to, got {text!r}")
+        return text
+
+
+class OutFile(Check):
+    """A file path to write: not a folder, under a folder that exists or can be made and is writable."""
+
+    def __init__(self, optional: bool = False):
+        self.optional = optional
+        self.metavar = "FILE"
+        self.allows = "a file path that can be written" + (" (or nothing)" if optional else "")
+
+    def __call__(self, text: str):
+        if text == "" and self.optional:
+            return text
+        path = Path(text).expanduser()
+        if not text.strip() or path.is_dir() or (path.exists() and not os.access(path, os.W_OK)) \
+                or not writable_parent(path):
+            self.refuse(text)
+        return text
+
+
+class RunName(Check):
+    allows = "a plain folder name (no '/'), or nothing for the default"
+    metavar = "NAME"
+
+    def __call__(self, text: str):
+        if text and (Path(text).name != text or text in (".", "..") or not text.strip()):
+            self.refuse(text)
+        return text
+
+
+class Resume(Check):
+    allows = "auto or an existing checkpoint folder"
+    metavar = "auto|DIR"
+
+    def __call__(self, text: str):
+        if text and text != "auto" and not Path(text).expanduser().exists():
+            raise argparse.ArgumentTypeError(f"must be auto or an existing checkpoint folder, got {shown(text)} (no such "
+                                             f"path); list a run's checkpoints with ls runs/<run>/checkpoints")
+        return text
+
+
+class Source(Check):
+    """Where files come from: an http(s)/file URL or an existing folder; empty for the default."""
+
+    allows = "an http(s):// or file:// URL or an existing folder"
+    metavar = "URL|DIR"
+
+    def __call__(self, text: str):
+        if text and not text.startswith(("http://", "https://", "file://")) and not Path(text).expanduser().is_dir():
+            self.refuse(text)
+        return text
+
+
+class Text(Check):
+    """Free text with no range of its own (a list checked by its own rule, a prompt)."""
+
+    allows = "text"
+    metavar = "TEXT"
+
+    def __init__(self, nonempty: bool = False):
+        self.nonempty = nonempty
+        self.allows = "non-empty text" if nonempty else "text"
+
+    def __call__(self, text: str):
+        if self.nonempty and not text.strip():
+            self.refuse(text)
+        return text
+
+
+def shown(text: str) -> str:
+    """A refused value as the user typed it; quoted where quotes show what it is (empty, spaces)."""
+    return repr(text) if not text.strip() or text != text.strip() else text
+
+
+def writable_parent(path: Path) -> bool:
+    """The nearest folder above `path` that exists is a folder this user can write to."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            return writable(parent)
+    return False
+
+
+def writable(folder: Path) -> bool:
+    """A file can be made in `folder` (tried, and removed at once: access() says yes to root on /proc)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def number(kind=float, **bounds) -> Number:
+    return Number(kind, **bounds)
+
+
+def choice(choices) -> Choice:
+    return Choice(choices)
+
+
+# ----------------------------------------------------------------------------- parsers
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `error: --flag must be ..., got X` (exit 2) instead of a usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if isinstance(kwargs.get("type"), Check) and "metavar" not in kwargs and args and args[0].startswith("-"):
+            kwargs["metavar"] = kwargs["type"].metavar
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str):
+        message = message.replace("argument ", "", 1) if message.startswith("argument ") else message
+        if ": " in message and message.split(": ", 1)[0].startswith("-"):  # "--a/--no-a: msg" -> "--a msg"
+            flag, rest = message.split(": ", 1)
+            flag = flag.split("/")[0]
+            if rest.startswith("ignored explicit argument"):
+                rest = f"takes no value: it is {flag} or --no-{flag[2:]}, got {rest.split(' argument ', 1)[1]}"
+            message = f"{flag} {rest}"
+        message = message.replace("expected one argument", "expects a value")
+        sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Flags in a column of 30 characters, so that a flag's help takes at most two lines."""
+
+    def __init__(self, prog, **kwargs):
+        kwargs.setdefault("max_help_position", 30)
+        kwargs.setdefault("width", max(100, min(140, _terminal_width())))
+        super().__init__(prog, **kwargs)
+
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, argparse.BooleanOptionalAction):  # --[no-]x: one column instead of two flags
+            return "--[no-]" + action.option_strings[0][2:]
+        return super()._format_action_invocation(action)
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+def opt(default, help: str, choices=None, *, group: str | None = None, check: Check | None = None, **bounds):
+    """A config field that becomes one flag: its help, its choices or bounds (`number`'s keywords), or a `check`;
+    `group` starts a help section that the following fields join."""
+    if choices is not None:
+        check = Choice(choices)
+    elif check is None and not isinstance(default, bool):
+        check = Number(type(default), **bounds) if isinstance(default, (int, float)) else None
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "check": check,
+                                                         "group": group})
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def build_parser(config_class, description: str, prog: str | None = None) -> Parser:
+    """One flag per config field (--some-field) in the field's group, showing its default; --x/--no-x for booleans."""
+    parser = Parser(description=description, prog=prog, usage="%(prog)s [flags]   (every flag below, by group)")
+    group = parser
+    for f in dataclasses.fields(config_class):
+        if f.metadata.get("group"):
+            group = parser.add_argument_group(f.metadata["group"])
+        help_ = f.metadata.get("help", "")
+        if f.type is bool or f.type == "bool":
+            group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_ + (" (default: on)" if f.default else ""))
+            continue
+        check = f.metadata.get("check")
+        if check is None:
+            raise TypeError(f"{flag_name(f.name)} declares no allowed values: give opt() bounds, choices or a check")
+        shown = f"{help_} (default: {f.default})" if f.default not in ("", 0) else help_
+        named = [c for c in getattr(check, "choices", ()) if c != ""]
+        if named and "one of" not in help_ and not all(c in help_ for c in named):  # unless the help names them
+            shown += f"; one of: {', '.join(named)}"
+        group.add_argument(flag_name(f.name), type=check, default=f.default, help=shown,
+                           metavar=check.metavar if len(flag_name(f.name) + check.metavar) < 28 else "NAME")
+    return parser
+
+
+def parse_config(config_class, argv, description: str, prog: str | None = None):
+    return config_class(**vars(build_parser(config_class, description, prog).parse_args(argv)))
+
+
+def check_config(cfg) -> None:
+    """The declared checks run again on a config built in Python rather than from flags (tests, bench, lab)."""
+    from run_state import ConfigError
+
+    for f in dataclasses.fields(cfg):
+        check, value = f.metadata.get("check"), getattr(cfg, f.name)
+        if check is None or isinstance(value, bool):
+            continue
+        try:
+            check(repr(value) if isinstance(value, float) else str(value))
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"{flag_name(f.name)} {e}") from None
