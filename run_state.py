@@ -243,6 +243,14 @@ def step_of(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one short line, its type and first sentence: torch's load errors run to paragraphs of
+    advice (weights_only, "Please file an issue") that are not the reason a checkpoint was skipped."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    first = re.split(r"(?<=\.)\s|\n", text, maxsplit=1)[0].rstrip(".,: ") if text else "no message"
+    return f"{type(e).__name__}: {first if len(first) <= 160 else first[:157] + '...'}"
+
+
 def damaged_files(path: Path) -> str | None:
     """A cheap check of a checkpoint's files before any rank loads it: torch.save writes zip archives,
     and a truncated archive has lost its central directory. Returns the first problem found."""
@@ -367,7 +375,7 @@ class Checkpoints:
             try:
                 self._read(fabric, path / "state", state)
             except Exception as e:  # torch/zip/pickle/DeepSpeed errors differ; all mean "this one is bad"
-                why = f"{type(e).__name__}: {e}"
+                why = one_line(e)
             if not self._agreed_ok(fabric, path, why, resume):
                 continue
             return path

@@ -601,3 +601,28 @@ def test_the_slurm_batch_script_trains_on_two_nodes_as_two_processes_do(two_proc
     got = record(tmp_path, "slurm")
     assert got["world_size"] == 2 and got["config"]["num_nodes"] == 2 and got["env"]["launcher"] == "SLURM (srun)"
     assert losses(tmp_path, "slurm") == pytest.approx(losses(*two_process("ddp")), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- what a run says before and after
+def test_a_short_run_counts_its_own_steps_and_says_it_was_not_timed(tmp_path):
+    """--steps 2 with the default warm-up of 2: progress counts to 2 (not the schedule's 12), and the summary says
+    why there is no step time instead of printing NaN; record.json holds null."""
+    proc = run_gpt(tmp_path, "short", "--steps", "2")
+    assert "step    1/2 |" in proc.stdout and "step    2/2 |" in proc.stdout and "/12 |" not in proc.stdout
+    assert "not timed: 2 steps here, all of them warm-up (--timing-warmup 2)" in proc.stdout and "nan" not in proc.stdout
+    raw = (tmp_path / "short" / "record.json").read_text()
+    rec = json.loads(raw)
+    assert rec["step_time_s"] is None and rec["tokens_per_s"] is None and rec["mfu"] is None and "NaN" not in raw
+
+
+@pytest.mark.parametrize("seq_len,said", [(100_000, True), (64, False)])
+def test_a_run_planned_over_a_minute_says_so_before_its_first_step(seq_len, said, capsys):
+    """The performance model's step at this machine's measured matmul peak, times the steps to run."""
+    from lightning.fabric import Fabric
+
+    cfg = gpt.resolve(gpt.Config(model="tiny", seq_len=seq_len, steps=2, accelerator="cpu"))
+    fabric = Fabric(accelerator="cpu", devices=1)
+    peak = gpt.accounting.peak_flops(fabric.device, cfg.precision)
+    gpt.announce_duration(fabric, cfg, gpt.count_parameters(cfg)[0], peak, 2)
+    out = capsys.readouterr().out
+    assert ("planned: about " in out and "for 2 steps" in out and "Ctrl-C stops cleanly" in out) == said, out

@@ -62,6 +62,21 @@ def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
     assert_same_run(reference, tmp_path / "cut")
 
 
+def test_a_skipped_checkpoint_is_one_line_naming_the_file_and_the_reason(mnist_dir, tmp_path):
+    """A checkpoint whose file unpickles to something weights_only refuses: one warning line, not torch's paragraph."""
+    import datetime
+
+    args = ["--train-samples", "1024", "--batch-size", "256", "--epochs", "1", "--checkpoint-every", "1", "--max-steps", "2",
+            "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "odd"]
+    run_in_process("fabric_lenet.py", *args)
+    ckpts = sorted((tmp_path / "odd" / "checkpoints").glob("step-*"))
+    torch.save({"model": datetime.datetime.now()}, ckpts[-1] / "state")  # a whole file, of something not a state
+    resumed = run_in_process("fabric_lenet.py", *args, "--resume", "auto")
+    warnings = [line for line in (resumed.stderr + resumed.stdout).splitlines() if "skipping checkpoint" in line]
+    assert warnings == [f"warning: skipping checkpoint {ckpts[-1]}: UnpicklingError: Weights only load failed"], warnings
+    assert "Please file an issue" not in resumed.stderr + resumed.stdout and f"resumed from {ckpts[-2]}" in resumed.stdout
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_previous(reference, mnist_dir, tmp_path):
     args = [*ARGS, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "bad", "--max-steps", "120"]
     run_in_process("fabric_lenet.py", *args)
