@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -313,7 +314,7 @@ def gpu_check(args) -> int:
     # 16-mixed from a loss scale of 2^40: the first steps overflow and must be skipped while the run goes on
     def overflow_verdict(run: str, steps: int):
         r = record(run)
-        ok = r["steps"] == steps and 0 < r["skipped_steps"] < steps and r["final_loss"] == r["final_loss"]
+        ok = r["steps"] == steps and 0 < r["skipped_steps"] < steps and not math.isnan(r["final_loss"])
         return ok, f"{r['skipped_steps']} of {r['steps']} steps skipped, loss {r['first_loss']:.3f} .. {r['final_loss']:.3f}"
     fp16 = ["fabric_gpt.py", "--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--precision", "16-mixed",
             "--loss-scale-power", "40", "--accelerator", "cuda", "--micro-batch-size", "4", "--num-samples", "1200",
@@ -364,7 +365,7 @@ def big_model_verdict(r: dict) -> tuple[bool, str]:
     predicted = r.get("predicted")
     step = (f"step {1e3 * r['step_time_s']:.0f} ms vs predicted {1e3 * predicted['step_time_s']:.0f} ms "
             f"({predicted['cluster']}, efficiency {predicted['efficiency']}), " if predicted else "")
-    return (r["final_loss"] == r["final_loss"] and mem <= 1.25 * r["planned_gb"], step +
+    return (not math.isnan(r["final_loss"]) and mem <= 1.25 * r["planned_gb"], step +
             f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / {r['tflops_per_device_8n']:.1f} "
             f"(8N), {mfu}, training peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB"
             + (f" (set-up peak {setup:.1f})" if setup is not None else ""))

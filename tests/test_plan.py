@@ -41,7 +41,8 @@ def test_plan_json_holds_memory_time_and_the_transfers(tmp_path):
     assert "time plan on 1 x 2 NVIDIA A100 80GB SXM" in proc.stdout and "days" in proc.stdout
     # the host side: what this machine's processes would hold, against what psutil says is available
     assert plan["host_memory_machine_bytes"] == 2 * plan["host_memory_per_process_bytes"] > 0
-    assert isinstance(plan["host_fits"], bool) and "host memory:" in proc.stdout
+    fits = plan["host_memory_machine_bytes"] <= 0.9 * plan["host_memory_available_bytes"]  # the plan's 10% margin
+    assert plan["host_fits"] is fits and "host memory:" in proc.stdout
 
 
 def test_ddp_step_time_is_compute_plus_the_ring_all_reduce_left_over():

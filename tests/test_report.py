@@ -50,8 +50,10 @@ def test_report_from_real_runs(runs, tmp_path):
     text = path.read_text()
     summary = json.loads((runs / "lenet-short" / "record.json").read_text())
     assert f"{100 * summary['test_acc']:.2f}%" in text
-    assert "| gelu_py" not in text or "gradcheck" in text
-    assert "GELU" in text and "passed" in text  # the verification table
+    check = json.loads((runs / "gelu" / "check.json").read_text())  # the verification table, one row per check
+    for r in check["rows"]:
+        assert f"| {r['impl']} | {r['approximate']} | {r['dtype']} | {r['forward_max_abs_err']:.2e} |" in text
+    assert len(check["rows"]) == 8 and "FAILED" not in text and text.count("| passed |") == 8
     assert "bench-gpt-tiny-2xcpu" in text and "| ddp | 32-true | 2 |" in text
     refs = figures(text)
     assert {"lenet_curves.png", "lenet_per_class.png", "lenet_confusion.png", "gpt_strategies.png"} <= set(refs)
