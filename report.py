@@ -117,14 +117,19 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
         a.plot(*zip(*loss), lw=1)
     else:
         a.plot([h["step"] for h in s["epoch_history"]], [h["train_loss"] for h in s["epoch_history"]], marker="o")
-    a.set(xlabel="step", ylabel="cross-entropy", title="training loss", yscale="log")
+    a.set(xlabel="step", ylabel="cross-entropy (log scale)", title="training loss", yscale="log")
+    # a loss from ~2.3 to ~0.5 spans less than a decade: ticks at 1, 1.5, 2, 3, 5 and 7 of each, labelled plainly
+    a.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    a.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    a.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     b.plot(*zip(*[(st, 100 * v) for st, v in acc]), marker="o")
     b.set(xlabel="step", ylabel="%", title="test accuracy")
     rep.figure(fig, "lenet_curves.png", "LeNet-5 training loss and test accuracy")
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar(range(10), [100 * a for a in s["per_class_acc"]])
-    ax.set(xticks=range(10), xlabel="digit", ylabel="%", ylim=(min(95.0, 100 * min(s["per_class_acc"]) - 1), 100),
+    low = min(95.0, 100 * min(s["per_class_acc"]) - 1)  # the differences are tenths of a percent: a cut axis, said so
+    ax.set(xticks=range(10), xlabel="digit", ylabel=f"test accuracy %\n(axis starts at {low:.0f}%)", ylim=(low, 100),
            title="per-class test accuracy")
     rep.figure(fig, "lenet_per_class.png", "per-class accuracy")
     rep.add("| digit | " + " | ".join(map(str, range(10))) + " |", "|---" * 11 + "|",
@@ -137,7 +142,7 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
             if v:
                 ax.text(j, i, v, ha="center", va="center", fontsize=6, color="white" if i == j else "black")
     ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true", title="confusion matrix")
-    fig.colorbar(im)
+    fig.colorbar(im, label="test images (log scale)")
     rep.figure(fig, "lenet_confusion.png", "confusion matrix")
 
     rep.add("### Activations compared", "", "The newest finished run of each activation:", "",
