@@ -279,7 +279,10 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
         clock = Stopwatch(progress)  # adds to progress.train_time_s; paused around evaluation and saving
         t_fetch = time.perf_counter()
         batches = train_batches(train_set, order, progress.step_in_epoch, cfg, local_batch, train_tensors)
-        for xb, yb in progress_bar(fabric, batches, epoch_steps - progress.step_in_epoch, f"epoch {epoch + 1}"):
+        left = epoch_steps - progress.step_in_epoch  # the bar counts the steps this run takes (--max-steps included)
+        if cfg.max_steps:
+            left = max(0, min(left, cfg.max_steps - progress.global_step))
+        for xb, yb in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
             xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
             if cfg.channels_last:
                 xb = xb.contiguous(memory_format=torch.channels_last)
