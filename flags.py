@@ -24,6 +24,11 @@ class Check:
     metavar = "VALUE"
 
     def __call__(self, text: str):
+        if not self.ok(text):
+            self.refuse(text)
+        return text
+
+    def ok(self, text: str) -> bool:
         raise NotImplementedError
 
     def refuse(self, text: str):
@@ -68,10 +73,8 @@ class Choice(Check):
         self.metavar = short if len(short) <= 16 else "NAME"
         self.allows = "one of " + ", ".join(c for c in self.choices if c) + (" (or nothing)" if "" in self.choices else "")
 
-    def __call__(self, text: str):
-        if text not in self.choices:
-            self.refuse(text)
-        return text
+    def ok(self, text: str) -> bool:
+        return text in self.choices
 
 
 class Names(Check):
@@ -83,10 +86,8 @@ class Names(Check):
         self.names = tuple(names)
         self.allows = "a comma-separated list of " + ", ".join(self.names)
 
-    def __call__(self, text: str):
-        if text and not set(text.split(",")) <= set(self.names):
-            self.refuse(text)
-        return text
+    def ok(self, text: str) -> bool:
+        return not text or set(text.split(",")) <= set(self.names)
 
 
 class Folder(Check):
@@ -99,17 +100,15 @@ class Folder(Check):
         self.allows = ("a folder that exists or can be created" if create else "an existing folder") + \
             (" (or nothing)" if optional else "")
 
-    def __call__(self, text: str):
+    def ok(self, text: str) -> bool:
         if text == "" and self.optional:
-            return text
+            return True
         path = Path(text).expanduser()
         if not text.strip() or (path.exists() and not path.is_dir()):
-            self.refuse(text)
-        if not path.exists() and (not self.create or not writable_parent(path)):
-            self.refuse(text)
-        if path.is_dir() and self.create and not writable(path):
-            raise argparse.ArgumentTypeError(f"must be a folder this user can write to, got {text!r}")
-        return text
+            return False
+        if not path.exists():
+            return self.create and writable_parent(path)
+        return not self.create or writable(path)
 
 
 class OutFile(Check):
@@ -120,35 +119,26 @@ class OutFile(Check):
         self.metavar = "FILE"
         self.allows = "a file path that can be written" + (" (or nothing)" if optional else "")
 
-    def __call__(self, text: str):
-        if text == "" and self.optional:
-            return text
+    def ok(self, text: str) -> bool:
         path = Path(text).expanduser()
-        if not text.strip() or path.is_dir() or (path.exists() and not os.access(path, os.W_OK)) \
-                or not writable_parent(path):
-            self.refuse(text)
-        return text
+        return (text == "" and self.optional) or bool(text.strip()) and not path.is_dir() and writable_parent(path) \
+            and (not path.exists() or os.access(path, os.W_OK))
 
 
 class RunName(Check):
     allows = "a plain folder name (no '/'), or nothing for the default"
     metavar = "NAME"
 
-    def __call__(self, text: str):
-        if text and (Path(text).name != text or text in (".", "..") or not text.strip()):
-            self.refuse(text)
-        return text
+    def ok(self, text: str) -> bool:
+        return not text or (Path(text).name == text and text not in (".", "..") and bool(text.strip()))
 
 
 class Resume(Check):
-    allows = "auto or an existing checkpoint folder"
+    allows = "auto or an existing checkpoint folder (ls runs/<run>/checkpoints lists a run's)"
     metavar = "auto|DIR"
 
-    def __call__(self, text: str):
-        if text and text != "auto" and not Path(text).expanduser().exists():
-            raise argparse.ArgumentTypeError(f"must be auto or an existing checkpoint folder, got {shown(text)} (no such "
-                                             f"path); list a run's checkpoints with ls runs/<run>/checkpoints")
-        return text
+    def ok(self, text: str) -> bool:
+        return text in ("", "auto") or Path(text).expanduser().exists()
 
 
 class Source(Check):
@@ -157,26 +147,8 @@ class Source(Check):
     allows = "an http(s):// or file:// URL or an existing folder"
     metavar = "URL|DIR"
 
-    def __call__(self, text: str):
-        if text and not text.startswith(("http://", "https://", "file://")) and not Path(text).expanduser().is_dir():
-            self.refuse(text)
-        return text
-
-
-class Text(Check):
-    """Free text with no range of its own (a list checked by its own rule, a prompt)."""
-
-    allows = "text"
-    metavar = "TEXT"
-
-    def __init__(self, nonempty: bool = False):
-        self.nonempty = nonempty
-        self.allows = "non-empty text" if nonempty else "text"
-
-    def __call__(self, text: str):
-        if self.nonempty and not text.strip():
-            self.refuse(text)
-        return text
+    def ok(self, text: str) -> bool:
+        return not text or text.startswith(("http://", "https://", "file://")) or Path(text).expanduser().is_dir()
 
 
 def shown(text: str) -> str:

@@ -138,7 +138,7 @@ def sane(kind, text, value) -> bool:
         from pathlib import Path
 
         return text in ("", "auto") or Path(text).exists()
-    return isinstance(kind, (flags.Text, flags.Names))
+    return isinstance(kind, flags.Names)
 
 
 @pytest.mark.parametrize("script,argv,words", [
