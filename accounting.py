@@ -105,6 +105,33 @@ def peak_memory(device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------- memory plan
+# ----------------------------------------------------------------------------- the model's shape
+def gpt2_config(cfg):
+    """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
+                      vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
+                      eos_token_id=cfg.vocab_size - 1)
+
+
+def count_parameters(cfg) -> tuple[int, str]:
+    """(parameters, attention implementation), from the model on the meta device (no memory)."""
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(cfg))
+    return sum(p.numel() for p in model.parameters()), model.config._attn_implementation  # tied wte/lm_head once
+
+
+def weight_bytes(cfg) -> int:
+    """Bytes per parameter (and gradient) as a run keeps them: 2 where the weights themselves are 16-bit (DeepSpeed
+    runs the model in its 16-bit precision; bf16-true everywhere), else 4 (autocast keeps float32 weights)."""
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    return 2 if (half and is_deepspeed(cfg.strategy)) or cfg.precision == "bf16-true" else 4
+
+
 def block_params(h: int) -> int:
     return 12 * h * h + 13 * h
 
@@ -117,12 +144,12 @@ def model_states(cfg, P: int) -> dict:
     """Bytes per device of weights, gradients and optimizer state. 16-bit DeepSpeed follows its own
     estimate_zero2/3_model_states_mem_needs; the rest counts what each strategy keeps on a rank."""
     N, stage, offload = cfg.devices * cfg.num_nodes, zero_stage(cfg.strategy), cfg.strategy.endswith("_offload")
-    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    per = weight_bytes(cfg)
     h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
     states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "ddp_buckets": 0.0, "gathered_layer": 0.0}
     moments = 2 if cfg.optimizer == "adamw" else 0  # AdamW's m and v; plain SGD keeps none
     if is_deepspeed(cfg.strategy):
-        if half:  # 16-bit weights and grads; fp32 grads, master weights, Adam m and v per partition (4+4+8)
+        if per == 2:  # 16-bit weights and grads; fp32 grads, master weights, Adam m and v per partition (4+4+8)
             states.update(params=2 * P / N if stage == 3 else 2 * P,
                           grads=0 if stage == 3 else 2 * P / N if stage == 2 else 2 * P, optimizer=(8 + 4 * moments) * P / N)
         else:  # fp32 weights; ZeRO keeps its own fp32 master copy of each partition besides Adam's m and v (ZeRO-3
@@ -134,7 +161,6 @@ def model_states(cfg, P: int) -> dict:
             states.update(optimizer=0, grads=0, master=0, params=0 if stage == 3 else states["params"])
         return states
     # Fabric's strategies keep fp32 weights under autocast; bf16-true holds everything in 2 bytes
-    per = 2 if cfg.precision == "bf16-true" else 4
     t, p = tp_size(cfg), pp_size(cfg)
     blocks = L * block_params(h)
     embeddings = V * h + S * h
@@ -239,8 +265,7 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
                     16-bit weights under ZeRO-3); NVMe: the partition's fp32 gradient, fp32 and 16-bit weights
                     (measured: DeepSpeed keeps them in host memory) and ZeRO-Infinity's sub-group and swap buffers"""
     dp, stage = data_parallel_size(cfg), zero_stage(cfg.strategy)
-    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    word = 2 if (half and is_deepspeed(cfg.strategy)) or cfg.precision == "bf16-true" else 4
+    word = weight_bytes(cfg)
     partition = n_params / dp
     offload = 0.0
     if cfg.strategy.endswith("_offload"):

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from run_state import cpu_name, cpu_units, read_record, write_json_atomic
+from hardware import cpu_name, cpu_units
+from run_state import read_record, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
 

@@ -25,13 +25,15 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import accounting
+import flags
 import perf_model
 import strategies
+from accounting import count_parameters, gpt2_config
 from comm_counter import CommCounter
-import flags
-from flags import opt
-from run_state import (ConfigError, NonFiniteLoss, Progress, ResumeError, Run, StopRequest, check_hardware,
-                       check_launcher, launch, cpu_name, nonfinite_message, run_main, uses_gpu)
+from flags import ConfigError, opt
+from hardware import check_hardware, cpu_name, uses_gpu
+from ranks import check_launcher, launch
+from run_state import NonFiniteLoss, Progress, ResumeError, Run, StopRequest, nonfinite_message, run_main
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -119,25 +121,12 @@ def resolve(cfg: Config) -> Config:
                                vocab_size=cfg.vocab_size or vocab, lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4))
 
 
-def world_size(cfg: Config) -> int:
-    return cfg.devices * cfg.num_nodes
-
-
 def samples_per_step(cfg: Config) -> int:
     """Samples in one optimizer step: micro-batch x accumulation x data-parallel size."""
     return cfg.micro_batch_size * cfg.grad_accum * strategies.data_parallel_size(cfg)
 
 
 # ----------------------------------------------------------------------------- model
-def gpt2_config(cfg: Config):
-    from transformers import GPT2Config
-
-    return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
-                      vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
-                      eos_token_id=cfg.vocab_size - 1)
-
-
 def build_model(cfg: Config, fabric: Fabric | None = None):
     """GPT2LMHeadModel with GPT-2's initialisation. Under ZeRO-3 (given the Fabric) it is built inside
     deepspeed.zero.Init, so that no rank ever holds it whole: each parameter is partitioned as it is created and
@@ -182,15 +171,6 @@ def fill_initial_weights(model, cfg: Config, partitioned: bool) -> None:
         with GatheredParameters(p, modifier_rank=0) if partitioned else nullcontext(), torch.no_grad():
             if first or not partitioned:
                 p.copy_(initial_weights(name, p.shape, cfg).to(p.dtype))
-
-
-def count_parameters(cfg: Config) -> tuple[int, str]:
-    """(parameters, attention implementation), from the model on the meta device (no memory)."""
-    from transformers import GPT2LMHeadModel
-
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(cfg))
-    return sum(p.numel() for p in model.parameters()), model.config._attn_implementation  # tied wte/lm_head once
 
 
 # ----------------------------------------------------------------------------- data
@@ -455,7 +435,7 @@ def plan_cluster(cfg: Config) -> "perf_model.Cluster":
 def print_plan(cfg: Config, plan: dict) -> None:
     gib = lambda b: f"{b / 2**30:9.2f} GiB" if b >= 2**30 or b == 0 else f"{b / 2**20:9.2f} MiB"  # noqa: E731
     print(f"memory plan: {cfg.model} ({plan['n_params'] / 1e6:,.1f}M parameters), {cfg.strategy}, {cfg.precision}, "
-          f"{world_size(cfg)} device(s) (dp {strategies.data_parallel_size(cfg)}, tp {strategies.tp_size(cfg)}, "
+          f"{strategies.world_size(cfg)} device(s) (dp {strategies.data_parallel_size(cfg)}, tp {strategies.tp_size(cfg)}, "
           f"pp {strategies.pp_size(cfg)}), micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens")
     for key in ("params", "grads", "optimizer", "master", "ddp_buckets", "gathered_layer"):
         if plan[key] or key in ("params", "grads", "optimizer"):
@@ -525,14 +505,20 @@ def validate(cfg: Config) -> None:
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
 
 
-def host_plan(cfg: Config, on_gpu: bool, counted: tuple[int, str] | None = None) -> dict:
-    """Host RAM per process and for this machine's processes (accounting.host_memory_plan); `counted` is
+def device_plan(cfg: Config, on_gpu: bool, counted: tuple[int, str] | None = None) -> dict:
+    """The memory plan per device of this run (accounting.memory_plan) on the accelerator it runs on; `counted` is
     count_parameters(cfg) when the caller has it."""
+    n_params, attn = counted or count_parameters(cfg)
+    return accounting.memory_plan(dataclasses.replace(cfg, accelerator="cuda" if on_gpu else "cpu"), n_params, attn)
+
+
+def host_plan(cfg: Config, on_gpu: bool, counted: tuple[int, str] | None = None, device: dict | None = None) -> dict:
+    """Host RAM per process and for this machine's processes (accounting.host_memory_plan), from the device plan
+    (made here unless the caller has it)."""
     if is_deepspeed(cfg.strategy):
         import deepspeed  # noqa: F401  (imported by every rank anyway: its memory belongs to the baseline)
-    n_params, attn = counted or count_parameters(cfg)
-    device = accounting.memory_plan(dataclasses.replace(cfg, accelerator="cuda" if on_gpu else "cpu"), n_params, attn)
-    return accounting.host_memory_plan(cfg, n_params, device, on_gpu, accounting.process_baseline())
+    device = device or device_plan(cfg, on_gpu, counted)
+    return accounting.host_memory_plan(cfg, device["n_params"], device, on_gpu, accounting.process_baseline())
 
 
 def host_available(cfg: Config) -> float:
@@ -580,7 +566,7 @@ def check_host_memory(cfg: Config, on_gpu: bool) -> None:
 
 
 def validate_parallel_sizes(cfg: Config) -> None:
-    world = world_size(cfg)
+    world = strategies.world_size(cfg)
     if cfg.tp_size and cfg.strategy not in ("tp", "fsdp_tp"):
         raise ConfigError(f"--tp-size applies to --strategy tp or fsdp_tp, not {cfg.strategy}; drop it or pick one of those")
     if cfg.pp_size and cfg.strategy != "pp":
@@ -623,7 +609,7 @@ def plan_only(cfg: Config) -> dict:
     cluster = plan_cluster(cfg)
     perf_model.check_plannable(cfg, cluster)
     if cfg.search:
-        rows = perf_model.search(cfg, cluster, count_parameters)
+        rows = perf_model.search(cfg, cluster)
         perf_model.print_search(cfg, cluster, rows)
         result = {"search": rows}
     else:
@@ -666,9 +652,9 @@ def run(cfg: Config) -> dict:
     launch(fabric, cfg.num_nodes, cfg.node_timeout)
     n_params, attn = count_parameters(cfg)
     flops = accounting.flops_per_token(cfg, n_params)
-    plan = accounting.memory_plan(cfg, n_params, attn)
+    plan = device_plan(cfg, on_gpu, (n_params, attn))
     peak = accounting.peak_flops(fabric.device, cfg.precision)  # on CPU a short matmul probe, before any model exists
-    host = host_plan(cfg, on_gpu, (n_params, attn))  # its baseline: this process before the model exists
+    host = host_plan(cfg, on_gpu, device=plan)  # its baseline: this process before the model exists
     model = build_model(cfg, fabric)
     if cfg.compile:
         model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
@@ -787,7 +773,7 @@ def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:
 def check_resume(saved: dict, cfg: Config) -> None:
     """The number of processes must stay (it shards the checkpoint and sets the global batch); how they are laid
     out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime)."""
-    was, now = saved["devices"] * saved["num_nodes"], world_size(cfg)
+    was, now = saved["devices"] * saved["num_nodes"], strategies.world_size(cfg)
     if now == was:
         return
     if is_deepspeed(cfg.strategy) or cfg.strategy in strategies.MODEL_PARALLEL:

@@ -29,12 +29,13 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 import datasets_local
-from gelu_ext import GeluBuildError
 import flags
-from flags import opt
-from run_state import (ConfigError, NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, check_hardware,
-                       check_launcher, launch, cpu_name, cpu_units, nonfinite_message, progress_bar, run_main, uses_gpu,
-                       write_json_atomic)
+from flags import ConfigError, opt
+from gelu_ext import GeluBuildError
+from hardware import check_hardware, cpu_name, cpu_units, uses_gpu
+from ranks import check_launcher, launch
+from run_state import (NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, nonfinite_message, progress_bar,
+                       run_main, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")

@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 
 
+class ConfigError(ValueError):
+    """Settings that cannot work here, refused before any data or model is touched: one line with the fix."""
+
+
 class Check:
     """An argparse `type=` that parses a string and refuses what the flag does not allow, saying what it allows."""
 
@@ -275,8 +279,6 @@ def parse_config(config_class, argv, description: str, prog: str | None = None):
 
 def check_config(cfg) -> None:
     """The declared checks run again on a config built in Python rather than from flags (tests, bench, lab)."""
-    from run_state import ConfigError
-
     for f in dataclasses.fields(cfg):
         check, value = f.metadata.get("check"), getattr(cfg, f.name)
         if check is None or isinstance(value, bool):

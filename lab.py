@@ -23,7 +23,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from run_state import RECORD, Checkpoints, cuda_mismatch, write_json_atomic
+from hardware import cuda_mismatch
+from run_state import RECORD, Checkpoints, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")  # relu is LeNet-5's default

@@ -12,10 +12,10 @@ import functools
 import math
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import accounting
-from run_state import ConfigError
+from flags import ConfigError
 from strategies import data_parallel_size, is_deepspeed, pp_size, tp_size, zero_stage
 
 GB = 1e9
@@ -210,8 +210,7 @@ def buckets(sizes: list[int], cap: float, first_cap: float | None = None) -> lis
 def words(cfg) -> dict:
     """Bytes per element: gradients and parameters as the strategy keeps them, activations between blocks."""
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    deepspeed_half = is_deepspeed(cfg.strategy) and half  # DeepSpeed runs the model in 16 bits
-    weights = 2 if deepspeed_half or cfg.precision == "bf16-true" else 4
+    weights = accounting.weight_bytes(cfg)
     matmul_out = 2 if half else 4  # autocast's matmuls return 16-bit tensors
     residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy) else matmul_out
     return {"grad": weights, "param": weights, "matmul_out": matmul_out, "residual": residual}
@@ -372,7 +371,7 @@ def transfer_time(r: dict, cluster: Cluster) -> float:
 def flops_per_device(cfg, n_params: int) -> dict:
     """FLOPs of one optimizer step on the busiest device: the model's (6N + attention per token) and the
     recomputed forward under checkpointing, split as the strategy splits the work."""
-    h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     head = 6 * V * h  # the LM head's matmul per token (the embedding lookup costs no FLOPs)
     total = accounting.flops_per_token(cfg, n_params)["standard"]
     blocks = total - head
@@ -527,17 +526,17 @@ def candidates(cfg, cluster: Cluster, global_batch: int):
                                   grad_checkpointing=ckpt, nvme_path=path, search=False)
 
 
-def search(cfg, cluster: Cluster, count_parameters) -> list[dict]:
+def search(cfg, cluster: Cluster) -> list[dict]:
     """Every candidate's plan; those that fit, fastest first. Nothing fits: a PlanError with the smallest."""
     world = cfg.devices * cfg.num_nodes
     global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
-    n_params, attn = count_parameters(cfg)
+    n_params, attn = accounting.count_parameters(cfg)
     rows, smallest = [], None
     for c in candidates(cfg, cluster, global_batch):
         if c.precision == "16-mixed" and c.strategy in ("fsdp", "tp", "fsdp_tp", "pp"):
             continue  # refused by fabric_gpt.py
         plan = full_plan(c, cluster, n_params, attn, cfg.tokens)
-        entry = {"strategy": c.strategy, "tp": tp_size(c), "pp": pp_size(c), "dp": data_parallel_size(c),
+        entry = {"n_params": n_params, "strategy": c.strategy, "tp": tp_size(c), "pp": pp_size(c), "dp": data_parallel_size(c),
                  "micro_batch": c.micro_batch_size, "grad_accum": c.grad_accum, "checkpointing": c.grad_checkpointing,
                  "nvme": bool(c.nvme_path), "memory_per_device_bytes": plan["total"], "fits": plan["fits"],
                  **{k: plan[k] for k in ("step_time_s", "compute_s", "comm_s", "comm_exposed_s", "bubble_s", "offload_s",
@@ -550,7 +549,7 @@ def search(cfg, cluster: Cluster, count_parameters) -> list[dict]:
         entry, plan = smallest
         parts = ", ".join(f"{k} {plan[k] / 2**30:.1f}" for k in ("params", "grads", "optimizer", "master", "gathered_layer",
                                                                  "activations") if plan[k])
-        raise PlanError(f"{cfg.model} ({n_params / 1e9:.2f}B parameters) fits nowhere on {world} x {cluster.device} "
+        raise PlanError(f"{model_label(cfg, n_params)} fits nowhere on {world} x {cluster.device} "
                         f"at a global batch of {global_batch}: the smallest plan, {entry['strategy']} (tp {entry['tp']}, "
                         f"pp {entry['pp']}, micro-batch {entry['micro_batch']}, checkpointing {entry['checkpointing']}), "
                         f"needs {plan['total'] / 2**30:.1f} GiB per device ({parts} GiB) of "
@@ -559,9 +558,14 @@ def search(cfg, cluster: Cluster, count_parameters) -> list[dict]:
     return rows
 
 
+def model_label(cfg, n_params: int) -> str:
+    """The model as planned: its preset name and the shape it has (any dimension may have been overridden)."""
+    return (f"{cfg.model} shape (hidden {cfg.n_embd}, {cfg.n_layer} layers, {cfg.n_head} heads, sequence {cfg.seq_len}, "
+            f"vocabulary {cfg.vocab_size}: {n_params / 1e9:.3g}B parameters)")
+
+
 def print_search(cfg, cluster: Cluster, rows: list[dict], top: int = 12) -> None:
-    world = cfg.devices * cfg.num_nodes
-    print(f"search: {cfg.model} on {cfg.num_nodes} x {cfg.devices} {cluster.device}, {cfg.precision}, global batch "
+    print(f"search: {model_label(cfg, rows[0]['n_params'])} on {cfg.num_nodes} x {cfg.devices} {cluster.device}, {cfg.precision}, global batch "
           f"{rows[0]['micro_batch'] * rows[0]['grad_accum'] * rows[0]['dp']} x {cfg.seq_len} tokens; peak x efficiency "
           f"{cluster.efficiency:.2f}; {len(rows)} plans fit, fastest first (predicted)")
     days = "train_days" in rows[0]
@@ -581,10 +585,8 @@ def single_device_baseline(cfg, cluster: Cluster) -> dict | None:
     global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
     one = replace(cfg, devices=1, num_nodes=1, strategy="auto", tp_size=0, pp_size=0, micro_batch_size=global_batch,
                   grad_accum=1, nvme_path="")
-    import fabric_gpt
-
     try:
-        return search(one, cluster, fabric_gpt.count_parameters)[0]
+        return search(one, cluster)[0]
     except PlanError:
         return None
 

@@ -1,5 +1,5 @@
-"""The run lifecycle both training scripts share: flags from a config, start, resume or refuse, atomic
-checkpoints, clean stops, the run record and the exit code.
+"""The run lifecycle both training scripts share: start, resume or refuse, atomic checkpoints, clean stops, the run
+record and the exit code. (Flags: flags.py; the processes and nodes of a run: ranks.py; the machine: hardware.py.)
 
 A run lives in `runs/<run>/`: `config.json` and `record.json` (both carry `kind`: "lenet" or "gpt"),
 TensorBoard events, and `checkpoints/step-00001234/` holding `state` (written by `fabric.save`: one file,
@@ -16,7 +16,6 @@ import platform
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,10 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+
+from flags import ConfigError
+from hardware import cpu_name
+from ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
 
 PARTIAL = ".partial"
 RECORD = "record.json"
@@ -39,112 +42,8 @@ class DiskFull(RuntimeError):
     """A checkpoint or record could not be written for lack of space: nothing complete was lost."""
 
 
-class ConfigError(ValueError):
-    """Settings that cannot work here, refused before any data or model is touched."""
-
-
 class NonFiniteLoss(RuntimeError):
     pass
-
-
-def check_launcher(num_nodes: int, devices: int, script: str, node_timeout: float = 60.0) -> None:
-    """--num-nodes above 1 needs every node started, by a launcher (torchrun, srun) or by hand with the address of
-    node 0 (MASTER_ADDR, MASTER_PORT, NODE_RANK, as Fabric reads them). Started alone, a process would wait for the
-    other nodes for the process group's 30 minutes without a word: refused at once, with the commands."""
-    if not node_timeout > 0:
-        raise ConfigError(f"--node-timeout must be a positive number of seconds, got {node_timeout}")
-    launched = any(v in os.environ for v in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "MASTER_ADDR", "NODE_RANK"))
-    if num_nodes > 1 and not launched:
-        raise ConfigError(
-            f"--num-nodes {num_nodes}: no launcher started this process, so nothing would start the other nodes and it "
-            f"would wait for them. Start it on every node, e.g. `torchrun --nnodes {num_nodes} --nproc-per-node {devices} "
-            f"--rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 {script} ... --num-nodes {num_nodes} --devices "
-            f"{devices}` (the same on each node), or `srun` under SLURM, or by hand with MASTER_ADDR=NODE0_HOST "
-            f"MASTER_PORT=29500 NODE_RANK=<0..{num_nodes - 1}> on each node")
-
-
-def launcher() -> str:
-    """What started this process, for messages and for which watch applies."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return "torchrun"
-    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return "SLURM (srun)"
-    if "NODE_RANK" in os.environ or "MASTER_ADDR" in os.environ:
-        return "by hand (MASTER_ADDR, MASTER_PORT, NODE_RANK)"
-    return "Fabric, on this machine"
-
-
-def launch(fabric, num_nodes: int, timeout: float) -> None:
-    """fabric.launch(), whose rendezvous waits for every rank, bounded by `timeout` seconds: a node that was not
-    started (or cannot reach node 0) ends the wait with one message naming the address and the launcher, instead
-    of the process group's 30 minutes without a word. (Under torchrun the launcher meets first: see README.)"""
-    import threading
-
-    def give_up() -> None:
-        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        start = (f"make the job start every task (#SBATCH --nodes {num_nodes} --ntasks-per-node "
-                 f"{fabric.world_size // num_nodes}, the command under srun)" if launcher().startswith("SLURM") else
-                 f"start the same command on every node (node ranks 0 to {num_nodes - 1}) with the same address and port")
-        print(f"error: waited {timeout:g} s at {address} for the {fabric.world_size} processes of this run on "
-              f"{num_nodes} node(s), and not all came (this is rank {fabric.global_rank} on node {fabric.node_rank}; "
-              f"launcher: {launcher()}). Fix: {start}, check that {address} can be reached from each node, or wait "
-              f"longer with --node-timeout", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    timer = threading.Timer(timeout, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        fabric.launch()
-    finally:
-        timer.cancel()
-    if fabric.world_size > 1:  # every rank, so that a log shows where each one runs (and its pid, for a kill)
-        environment_name = type(getattr(fabric.strategy, "cluster_environment", None)).__name__
-        print(f"rank {fabric.global_rank}/{fabric.world_size}: node {fabric.node_rank}, local rank {fabric.local_rank}, "
-              f"pid {os.getpid()}, host {platform.node()}, {environment_name} (launcher: {launcher()})", flush=True)
-
-
-def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: bool = False) -> bool:
-    """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs.
-    fp16_on_cpu: the caller runs 16-mixed on a CPU too (float16 autocast and a GradScaler: slow, for checks)."""
-    gpu = uses_gpu(accelerator)
-    # only where a GPU was asked for or may be used: a CPU run needs no nvidia-smi call and no warning
-    unusable = cuda_mismatch() if accelerator in ("auto", "gpu", "cuda") else None
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError(unusable or "--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
-    if unusable:  # --accelerator auto: runs on the CPU, but never without saying why
-        print(f"warning: {unusable}; running on the CPU", file=sys.stderr)
-    if gpu and devices > torch.cuda.device_count():
-        raise ConfigError(f"--devices {devices}: only {torch.cuda.device_count()} GPU(s) visible")
-    if not gpu and devices > (os.cpu_count() or 1):
-        raise ConfigError(f"--devices {devices}: this machine has {os.cpu_count()} CPU cores; use at most that many processes")
-    if precision == "16-mixed" and not gpu and not fp16_on_cpu:
-        raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
-    return gpu
-
-
-def cuda_mismatch() -> str | None:
-    """When nvidia-smi sees GPUs that torch cannot use (most often a torch build for a newer CUDA than the
-    driver runs: CUDA 13 builds need driver 580+), the one line that says so and how to mend it."""
-    if torch.cuda.is_available() or not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") >= 1]
-    if not gpus:
-        return None
-    name, driver = gpus[0][:2]
-    built = f"for CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
-    return (f"nvidia-smi sees {len(gpus)} GPU(s) ({name}, driver {driver}) but torch {torch.__version__} (built {built}) "
-            f"cannot use them: install a torch build this driver runs, e.g. `rm -rf .venv && make setup "
-            f"TORCH_INDEX=https://download.pytorch.org/whl/cu126` (CUDA 12.6 runs on drivers 525 and newer)")
-
-
-def uses_gpu(accelerator: str) -> bool:
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 # ----------------------------------------------------------------------------- records
@@ -185,28 +84,6 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"], env["gpu_count"] = torch.cuda.get_device_name(0), torch.cuda.device_count()
     return env
-
-
-def _cpuinfo(field: str) -> str | None:
-    """The first value of a /proc/cpuinfo field (Linux), else None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or "unknown"
-
-
-def cpu_units() -> list[str]:
-    """The CPU's matrix and vector units that decide small-model speed (bf16 AMX, AVX-512, AVX2)."""
-    flags = (_cpuinfo("flags") or "").split()
-    return [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
-                                    ("avx2", "AVX2")) if flag in flags]
 
 
 class Progress:
@@ -612,163 +489,6 @@ class Run:
             self.logger.log_hyperparams(dataclasses.asdict(self.cfg), metrics)
             self.logger.finalize("success")
         return record
-
-
-# what gloo and NCCL raise in a collective whose peer is gone
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
-             "NCCL communicator was aborted")
-
-
-def death(code: int) -> str:
-    """How a process ended, from its exit status (negative: the signal that killed it)."""
-    if code >= 0:
-        return f"exited with status {code}"
-    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-    hint = " (what the kernel's out-of-memory killer sends: `dmesg | grep -i oom` tells)" if -code == signal.SIGKILL else ""
-    return f"was killed by {name}{hint}"
-
-
-def watch_ranks(fabric, after) -> None:
-    """A rank that dies takes the run down with one message instead of a collective's traceback or a silent hang.
-    Rank 0 of a run Fabric launched watches the processes it started; each of those watches rank 0. Within a
-    second of a death the watcher prints which rank died and how, with `after()` (the last checkpoint and the
-    resume command), stops the others and exits 1. (Under torchrun or SLURM the launcher does this.)"""
-    import threading
-
-    procs = list(getattr(fabric.strategy.launcher, "procs", None) or [])
-    parent = os.getppid()
-    launched_child = os.environ.get("LOCAL_RANK", "0") != "0" and not os.environ.get("TORCHELASTIC_RUN_ID") \
-        and not os.environ.get("SLURM_JOB_ID")
-    if not procs and not launched_child:
-        return
-
-    def stop(message: str) -> None:
-        print(f"error: {message}. The other processes are stopped; {after()}", file=sys.stderr, flush=True)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            for rank, p in enumerate(procs, start=1):
-                code = p.poll()
-                if code is not None and code != 0:
-                    stop(f"rank {rank} (pid {p.pid}) {death(code)}")
-            if launched_child and os.getppid() != parent:
-                stop(f"rank 0 (pid {parent}, the process that launched this one) died; this rank "
-                     f"({fabric.global_rank}) cannot continue alone")
-
-    # Fabric's own observer polls every 5 s and SIGKILLs every process, this one included, without a word: when it
-    # saw a death first, the run ended as if rank 0 had been killed too. This watch does its work (and says why).
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer":
-            thread._run = lambda: True  # its next poll ends it quietly
-    threading.Thread(target=watch, daemon=True, name="rank-watch").start()
-
-
-class PeerWatch:
-    """Ranks on other machines, which no process here can poll. Every rank bumps its own counter in the run's
-    rendezvous store (the TCPStore at MASTER_ADDR:MASTER_PORT on node 0) each second and reads its two ring
-    neighbours'. A counter that stands still for `timeout` s, or a store that stops answering, is a lost rank:
-    the rank that sees it says which and exits 1, instead of waiting in a collective for the process group's
-    30 minutes. A collective that fails at once (gloo: "Connection closed by peer") asks `lost()` which rank."""
-
-    current: "PeerWatch | None" = None  # this process's watch, for run_main's message
-
-    def __init__(self, fabric, after, num_nodes: int, timeout: float, tag: str):
-        import threading
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        self.after, self.timeout, self.finished = after, timeout, False
-        self.rank, self.world, self.devices = fabric.global_rank, fabric.world_size, fabric.world_size // num_nodes
-        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        # its own connection: the process group's store client may be busy in a blocking wait
-        self.store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=max(1.0, min(timeout, 30.0))))
-        self.key = lambda r: f"fabric-lab/{tag}/beat/{r}"  # noqa: E731
-        self.store.add(self.key(self.rank), 1)
-        self.neighbours = sorted({(self.rank + 1) % self.world, (self.rank - 1) % self.world} - {self.rank})
-        PeerWatch.current = self
-        threading.Thread(target=self._watch, daemon=True, name="peer-watch").start()
-
-    def name(self, rank: int) -> str:
-        return f"rank {rank} (node {rank // self.devices})"
-
-    def store_lost(self) -> str:
-        who = "node 0's torchrun" if launcher() == "torchrun" else self.name(0)
-        return f"the run's rendezvous store at {self.address}, held by {who}, stopped answering"
-
-    def counts(self, ranks) -> dict:
-        self.store.add(self.key(self.rank), 1)
-        return {r: self.store.add(self.key(r), 0) for r in ranks}
-
-    def _watch(self) -> None:
-        seen = {r: (None, time.monotonic()) for r in self.neighbours}
-        answered = time.monotonic()
-        while not self.finished:
-            time.sleep(1.0)
-            now = time.monotonic()
-            try:
-                counts = self.counts(self.neighbours)
-            except Exception:  # noqa: BLE001 - any failure to reach the store is the same news
-                if self.finished:
-                    return
-                if now - answered > self.timeout:
-                    self._stop(self.store_lost())
-                continue
-            answered = now
-            seen = {r: (c, now) if c != seen[r][0] else seen[r] for r, c in counts.items()}
-            # a neighbour writing a checkpoint may pause its beat: it gets 10 times as long
-            stale = [r for r, (_, since) in seen.items() if now - since > self.timeout
-                     and (now - since > 10 * self.timeout or not self.busy_now(r))]
-            if stale and not self.finished:
-                self._stop(f"{', '.join(map(self.name, stale))} stopped answering for {self.timeout:g} s (its "
-                           f"process or machine is gone; {launcher()} on that node may say more)")
-
-    @contextlib.contextmanager
-    def busy(self):
-        """A long stretch (writing a checkpoint) in which this rank's beat may pause, if the write holds the GIL:
-        its neighbours give it 10 times --node-timeout instead of once."""
-        self.store.add(self.key(self.rank) + "/busy", 1)
-        try:
-            yield
-        finally:
-            self.store.add(self.key(self.rank) + "/busy", -1)
-
-    def busy_now(self, rank: int) -> bool:
-        try:
-            return self.store.add(self.key(rank) + "/busy", 0) > 0
-        except Exception:  # noqa: BLE001 - the store's loss is noticed at the next beat
-            return False
-
-    def _stop(self, message: str) -> None:
-        print(f"error: {message}. This rank ({self.rank}) stops; {self.after()}", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    def lost(self, wait: float = 2.0) -> str:
-        """Which ranks stopped: the counters that did not move in `wait` seconds."""
-        try:
-            before = self.counts(range(self.world))
-            time.sleep(wait)
-            after = self.counts(range(self.world))
-        except Exception:  # noqa: BLE001
-            return self.store_lost()
-        gone = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
-        return f"{', '.join(map(self.name, gone))} stopped" if gone else "a peer's connection dropped"
-
-    def finish(self) -> None:
-        self.finished = True
-
-
-def watch_peers(fabric, after, num_nodes: int, timeout: float, tag: str) -> None:
-    """Start the PeerWatch where rank 0 cannot poll the other ranks as processes: several nodes, or ranks that
-    torchrun or SLURM started."""
-    if fabric.world_size > 1 and (num_nodes > 1 or launcher() in ("torchrun", "SLURM (srun)")):
-        PeerWatch(fabric, after, num_nodes, timeout, tag)
 
 
 def unused_name(out_dir, name: str) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from run_state import ConfigError
+from flags import ConfigError
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
               "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
@@ -47,6 +47,10 @@ def tp_size(cfg) -> int:
 
 def pp_size(cfg) -> int:
     return (cfg.pp_size or cfg.devices * cfg.num_nodes) if cfg.strategy == "pp" else 1
+
+
+def world_size(cfg) -> int:
+    return cfg.devices * cfg.num_nodes
 
 
 def data_parallel_size(cfg) -> int:

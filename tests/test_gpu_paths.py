@@ -16,7 +16,7 @@ from conftest import run_in_process
 import bench
 import fabric_gpt as gpt
 import lab
-import run_state
+import hardware
 import strategies
 from fabric_lenet import Config as LenetConfig, LeNet5
 
@@ -107,11 +107,11 @@ def test_gpus_torch_cannot_use_are_named_with_the_fix(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\necho 'NVIDIA A100-SXM4-80GB, 535.104.05'\necho 'NVIDIA A100-SXM4-80GB, 535.104.05'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    message = run_state.cuda_mismatch()
+    message = hardware.cuda_mismatch()
     assert "2 GPU(s) (NVIDIA A100-SXM4-80GB, driver 535.104.05)" in message and "TORCH_INDEX=" in message
-    with pytest.raises(run_state.ConfigError, match="driver 535.104.05"):
-        run_state.check_hardware("gpu", 1, "32-true")
-    assert "Makefile" and "TORCH_INDEX" in (run_state.Path(__file__).parent.parent / "Makefile").read_text()
+    with pytest.raises(hardware.ConfigError, match="driver 535.104.05"):
+        hardware.check_hardware("gpu", 1, "32-true")
+    assert "TORCH_INDEX" in (hardware.Path(__file__).parent.parent / "Makefile").read_text()  # the fix it names exists
 
 
 def test_nvme_on_a_gpu_checks_the_cuda_toolkit_and_the_arch_list(tmp_path):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_in_process, run_script
+from conftest import REPO, run_in_process
 import lab
 from fabric_lenet import Config, steps_per_epoch
 

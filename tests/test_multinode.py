@@ -2,6 +2,7 @@
 folder, SLURM's variables, a node that never comes and a node that dies. (The GPT strategies on two torchrun nodes,
 and the SLURM batch script, are in test_gpt.py, beside the one-node runs they are compared with.)"""
 
+import json
 import os
 import re
 import time
@@ -10,6 +11,8 @@ import pytest
 
 from conftest import free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes, wait_for_checkpoint
 from test_resume import assert_same_run
+
+import ranks
 
 LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
          "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp"]
@@ -106,3 +109,47 @@ def test_a_node_that_goes_silent_is_named_after_node_timeout(mnist_dir, tmp_path
             p.kill()
         if pid:
             os.kill(pid, 9)  # a stopped process takes SIGKILL
+
+
+# ----------------------------------------------------------------------------- what launched a process: one rule
+LAUNCH_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT",
+               "NODE_RANK", "LOCAL_RANK", ranks.STARTED_BY)
+
+
+@pytest.mark.parametrize("env,started_by,several_nodes_allowed,fabric_child", [
+    ({}, ranks.FABRIC, False, False),  # a plain start: Fabric starts any other local ranks
+    # rank 0 after fabric.launch(): Fabric set MASTER_ADDR/NODE_RANK here, and launch() recorded the verdict first
+    ({"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "0", "LOCAL_RANK": "0", ranks.STARTED_BY: ranks.FABRIC}, ranks.FABRIC,
+     False, False),
+    ({"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "0", "LOCAL_RANK": "1", ranks.STARTED_BY: ranks.FABRIC}, ranks.FABRIC,
+     False, True),  # a rank Fabric started: it watches rank 0
+    ({"TORCHELASTIC_RUN_ID": "r", "LOCAL_RANK": "1", "MASTER_ADDR": "n0"}, ranks.TORCHRUN, True, False),
+    ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "LOCAL_RANK": "1"}, ranks.SRUN, True, False),
+    # an interactive SLURM shell (salloc, srun --pty bash) is not a launcher: nothing there starts the other nodes
+    ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "bash", "SLURM_JOB_ID": "7"}, ranks.FABRIC, False, False),
+    ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "interactive", "SLURM_JOB_ID": "7", "LOCAL_RANK": "1",
+      ranks.STARTED_BY: ranks.FABRIC}, ranks.FABRIC, False, True),
+    ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "bash", "MASTER_ADDR": "n0", "NODE_RANK": "1"}, ranks.BY_HAND, True, False),
+    ({"MASTER_ADDR": "n0", "MASTER_PORT": "29500", "NODE_RANK": "1"}, ranks.BY_HAND, True, False),
+    ({"MASTER_ADDR": "n0", "NODE_RANK": "1", "LOCAL_RANK": "1", ranks.STARTED_BY: ranks.BY_HAND}, ranks.BY_HAND, True, True),
+])
+def test_one_rule_says_what_launched_a_process(monkeypatch, env, started_by, several_nodes_allowed, fabric_child):
+    """The launcher rule that messages, records, the --num-nodes refusal and the rank watch all use."""
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ranks.launcher() == started_by and ranks.started_by_fabric() == fabric_child
+    if several_nodes_allowed:
+        ranks.check_launcher(2, 1, "fabric_gpt.py")
+    else:
+        with pytest.raises(ranks.ConfigError, match="--num-nodes 2: no launcher started this process"):
+            ranks.check_launcher(2, 1, "fabric_gpt.py")
+
+
+def test_a_run_fabric_launched_records_fabric_as_its_launcher(tmp_path):
+    """Fabric sets MASTER_ADDR and NODE_RANK in rank 0 too: the record still says Fabric started the run."""
+    run_script("fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+               "--steps", "1", "--num-samples", "8", "--out-dir", tmp_path, "--run-name", "two")
+    record = json.loads((tmp_path / "two" / "record.json").read_text())
+    assert record["env"]["launcher"] == ranks.FABRIC

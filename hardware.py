@@ -1,0 +1,79 @@
+"""The machine a run is on: refusing device settings it cannot honour (with the fix), a torch that cannot use the
+GPUs nvidia-smi sees, and the CPU's name and units that the records and benchmarks print beside every figure."""
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from flags import ConfigError
+
+
+def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: bool = False) -> bool:
+    """Refuse device settings this machine cannot honour; return whether the run will use CUDA GPUs.
+    fp16_on_cpu: the caller runs 16-mixed on a CPU too (float16 autocast and a GradScaler: slow, for checks)."""
+    gpu = uses_gpu(accelerator)
+    # only where a GPU was asked for or may be used: a CPU run needs no nvidia-smi call and no warning
+    unusable = cuda_mismatch() if accelerator in ("auto", "gpu", "cuda") else None
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(unusable or "--accelerator gpu: no CUDA GPU is visible here; use --accelerator cpu (or auto)")
+    if unusable:  # --accelerator auto: runs on the CPU, but never without saying why
+        print(f"warning: {unusable}; running on the CPU", file=sys.stderr)
+    if gpu and devices > torch.cuda.device_count():
+        raise ConfigError(f"--devices {devices}: only {torch.cuda.device_count()} GPU(s) visible")
+    if not gpu and devices > (os.cpu_count() or 1):
+        raise ConfigError(f"--devices {devices}: this machine has {os.cpu_count()} CPU cores; use at most that many processes")
+    if precision == "16-mixed" and not gpu and not fp16_on_cpu:
+        raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
+    return gpu
+
+
+def cuda_mismatch() -> str | None:
+    """When nvidia-smi sees GPUs that torch cannot use (most often a torch build for a newer CUDA than the
+    driver runs: CUDA 13 builds need driver 580+), the one line that says so and how to mend it."""
+    if torch.cuda.is_available() or not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") >= 1]
+    if not gpus:
+        return None
+    name, driver = gpus[0][:2]
+    built = f"for CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+    return (f"nvidia-smi sees {len(gpus)} GPU(s) ({name}, driver {driver}) but torch {torch.__version__} (built {built}) "
+            f"cannot use them: install a torch build this driver runs, e.g. `rm -rf .venv && make setup "
+            f"TORCH_INDEX=https://download.pytorch.org/whl/cu126` (CUDA 12.6 runs on drivers 525 and newer)")
+
+
+def uses_gpu(accelerator: str) -> bool:
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first value of a /proc/cpuinfo field (Linux), else None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
+
+
+def cpu_units() -> list[str]:
+    """The CPU's matrix and vector units that decide small-model speed (bf16 AMX, AVX-512, AVX2)."""
+    flags = (_cpuinfo("flags") or "").split()
+    return [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+                                    ("avx2", "AVX2")) if flag in flags]
