@@ -601,7 +601,13 @@ def main(argv=None):
     cfg = resolve(parse_args(argv))
     if cfg.plan or cfg.search:
         return run_main(cfg, "gpt", validate, plan_only)
-    return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,))
+    return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,), finished=reached_its_end)
+
+
+def reached_its_end(record: dict, cfg: Config) -> bool:
+    """An earlier run's record reached the step this command would stop at (--steps, else all of --num-samples)."""
+    total = cfg.num_samples // samples_per_step(cfg)
+    return record.get("steps", 0) >= (min(total, cfg.steps) if cfg.steps else total)
 
 
 def plan_only(cfg: Config) -> dict:

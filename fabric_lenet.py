@@ -562,7 +562,15 @@ def parse_args(argv=None) -> Config:
 def main(argv=None) -> dict:
     global PRECISION_PROBE
     PRECISION_PROBE = None  # filled by --precision auto in validate()
-    return run_main(parse_args(argv), "lenet", validate, run, errors=(GeluBuildError, datasets_local.MNISTError))
+    return run_main(parse_args(argv), "lenet", validate, run, errors=(GeluBuildError, datasets_local.MNISTError),
+                    finished=reached_its_end)
+
+
+def reached_its_end(record: dict, cfg: Config) -> bool:
+    """An earlier run's record reached what this command asks for: --max-steps steps, else all --epochs."""
+    world = cfg.devices * cfg.num_nodes
+    whole = cfg.epochs * steps_per_epoch(cfg.train_samples or 60_000, cfg, world)  # MNIST's 60,000 training images
+    return record.get("steps", 0) >= (min(whole, cfg.max_steps) if cfg.max_steps else whole)
 
 
 def keep_freed_memory_in_heap() -> None:

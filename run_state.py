@@ -511,18 +511,46 @@ def refuse_existing_run(cfg) -> None:
                           f"--run-name {cfg.run_name}, or start a new run with another --run-name (or remove the folder)")
 
 
-def run_main(cfg, kind: str, validate, run, errors: tuple = ()):
-    """What both scripts' main() do: validate, find the run a --resume means, run it, and turn every
-    expected failure into one line `error: ...` (exit 1) and a clean stop into 128 + the signal number."""
+def resume_or_start(cfg, kind: str, finished) -> dict | None:
+    """--resume auto, set once and forgotten (as Lightning's ckpt_path="last"): continue the run when it has a
+    checkpoint, start it when it has none (one line says so), and when its record says it already reached what this
+    command asks for, return that record: a requeued job that finished must not train twice. Every rank decides
+    the same, from the same files, before any rank writes."""
+    if not cfg.run_name:
+        try:
+            cfg.run_name = resume_run_name("auto", cfg.out_dir, kind)
+        except ResumeError:
+            print(f"--resume auto: no {kind} run with a checkpoint under {cfg.out_dir}/: starting a new run", flush=True)
+            cfg.resume = ""
+            return None
+    folder = Path(cfg.out_dir) / cfg.run_name
+    record = read_record(folder)
+    if record is not None and record.get("kind") == kind and finished(record, cfg):
+        print(f"--resume auto: run {folder} has finished (its record.json holds step {record.get('steps')}); "
+              f"nothing to train", flush=True)
+        return record
+    if not Checkpoints(folder / "checkpoints").complete():
+        print(f"--resume auto: {folder} has no checkpoint yet: starting the run", flush=True)
+        cfg.resume = ""
+    return None
+
+
+def run_main(cfg, kind: str, validate, run, errors: tuple = (), finished=lambda record, cfg: False):
+    """What both scripts' main() do: validate, find the run a --resume means (or start or skip it: resume_or_start),
+    run it, and turn every expected failure into one line `error: ...` (exit 1) and a clean stop into 128 + the
+    signal number. `finished(record, cfg)`: the record of an earlier run reached what cfg asks for."""
     PeerWatch.current = None
     try:
         if cfg.run_name and (Path(cfg.run_name).name != cfg.run_name or cfg.run_name in (".", "..")):
             raise ConfigError(f"--run-name {cfg.run_name!r} is a path; it names one folder under --out-dir "
                               f"({cfg.out_dir}). Give the parent folder as --out-dir and a plain name as --run-name")
         validate(cfg)
+        auto = cfg.resume == "auto" and not getattr(cfg, "plan", False)
+        if auto and (done := resume_or_start(cfg, kind, finished)) is not None:
+            return done
         if cfg.resume and not cfg.run_name:
             cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
-        if not cfg.resume and not getattr(cfg, "plan", False):
+        if not cfg.resume and not auto and not getattr(cfg, "plan", False):
             refuse_existing_run(cfg)
         return run(cfg)
     except (ConfigError, ResumeError, NonFiniteLoss, DiskFull, *errors) as e:

@@ -127,9 +127,28 @@ def test_checkpoint_from_before_a_setting_existed_is_compared_as_it_ran(mnist_di
     assert "resumed from" in resumed.stdout and read_summary(tmp_path / "old")["steps"] == 6
 
 
-def test_resume_without_checkpoint_is_one_clear_error(tmp_path):
-    proc = run_in_process("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path, check=False)
-    assert proc.returncode == 1 and "no lenet run with a checkpoint" in proc.stderr
+def test_resume_auto_starts_continues_or_skips_a_finished_run(mnist_dir, tmp_path):
+    """--resume auto set once and forgotten: a run with no checkpoint starts (one line says so), one with a
+    checkpoint continues, one whose record reached the end trains no more and exits 0; a path that does not exist
+    stays an error, and without --resume an existing run is never overwritten."""
+    args = ["--train-samples", "1024", "--batch-size", "256", "--epochs", "2", "--no-tb-images", "--accelerator", "cpu",
+            "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "mine"]
+    first = run_in_process("fabric_lenet.py", *args, "--max-steps", "3", "--resume", "auto")
+    assert f"--resume auto: {tmp_path / 'mine'} has no checkpoint yet: starting the run" in first.stdout
+    assert read_summary(tmp_path / "mine")["steps"] == 3
+    again = run_in_process("fabric_lenet.py", *args, "--resume", "auto")  # the rest: 8 steps in all
+    assert "resumed from" in again.stdout and read_summary(tmp_path / "mine")["steps"] == 8
+    record = (tmp_path / "mine" / "record.json").read_text()
+    done = run_in_process("fabric_lenet.py", *args, "--resume", "auto")
+    assert done.returncode == 0 and "has finished (its record.json holds step 8); nothing to train" in done.stdout
+    assert (tmp_path / "mine" / "record.json").read_text() == record and "resumed from" not in done.stdout
+    refused = run_in_process("fabric_lenet.py", *args, check=False)
+    assert refused.returncode == 1 and "a new run does not overwrite it" in refused.stderr
+    missing = run_in_process("fabric_lenet.py", *args, "--resume", str(tmp_path / "nope"), check=False)
+    assert missing.returncode == 2 and "--resume must be auto or an existing checkpoint folder" in missing.stderr
+    nothing = run_in_process("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path / "empty", "--max-steps", "1",
+                             *args[:-6], "--data-dir", mnist_dir)
+    assert "--resume auto: no lenet run with a checkpoint under" in nothing.stdout and "starting a new run" in nothing.stdout
 
 
 def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):
