@@ -13,7 +13,8 @@ RUNS    ?= runs
 flag = $(if $($(1)),$(2) $($(1)))
 FABRIC_FLAGS = $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) $(call flag,NODE_TIMEOUT,--node-timeout) \
 	$(call flag,STRATEGY,--strategy) $(call flag,PRECISION,--precision) $(call flag,LR,--lr) \
-	$(call flag,SEED,--seed) $(call flag,RUN,--run-name) $(call flag,RESUME,--resume) $(if $(filter 1 yes true,$(COMPILE)),--compile)
+	$(call flag,SEED,--seed) $(call flag,RUN,--run-name) $(call flag,RESUME,--resume) $(call flag,REQUEUE_SIGNAL,--requeue-signal) \
+	$(if $(filter 1 yes true,$(COMPILE)),--compile)
 LENET_FLAGS = $(FABRIC_FLAGS) $(call flag,EPOCHS,--epochs) $(call flag,BATCH,--batch-size) $(call flag,ACT,--activation) \
 	$(call flag,DATA,--data) $(call flag,WORKERS,--num-workers) $(ARGS)
 GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps) $(call flag,MICRO_BATCH,--micro-batch-size) \
@@ -30,7 +31,8 @@ help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
 	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
-	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto COMPILE=1 ARGS='--more flags' | FORCE=1 STAGES=a,b (lab)"
+	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1 ARGS='--more flags' |"
+	@echo "             FORCE=1 STAGES=a,b (lab)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).

@@ -103,14 +103,17 @@ class Config:
     run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)", check=flags.RunName())
     checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)", min=0)
     keep_last: int = opt(2, "checkpoints kept", min=1)
-    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder", check=flags.Resume())
+    resume: str = opt("", "auto: continue the run from its newest good checkpoint, or start it; or a checkpoint folder",
+                      check=flags.Resume())
+    requeue_signal: str = opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
+                              ("USR1", "USR2", "none"))
     export: bool = opt(False, "at the end, write runs/<run>/gpt2_state_dict.pt: one GPT-2 state dict, any strategy")
 
 
 # grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it)
 RUNTIME_FIELDS = {"devices", "num_nodes", "node_timeout", "compile", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
                   "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
-                  "checkpoint_every", "keep_last", "resume", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
+                  "checkpoint_every", "keep_last", "resume", "requeue_signal", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
 
 def resolve(cfg: Config) -> Config:
@@ -700,7 +703,7 @@ def run(cfg: Config) -> dict:
                  f"{micro} x {cfg.grad_accum} x {strategies.data_parallel_size(cfg)} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
-    with StopRequest() as run.stop:
+    with StopRequest(cfg.requeue_signal) as run.stop:
         result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step)
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress, peak)
     record["memory_setup"] = {k: float(fabric.all_reduce(torch.tensor(v, device=fabric.device), reduce_op="max"))

@@ -86,7 +86,10 @@ class Config:
     eval_every: int = opt(0, "steps between extra test evaluations (0: only at epoch ends)", min=0)
     checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)", min=0)
     keep_last: int = opt(3, "checkpoints kept", min=1)
-    resume: str = opt("", "auto (newest good checkpoint of the run) or a checkpoint folder", check=flags.Resume())
+    resume: str = opt("", "auto: continue the run from its newest good checkpoint, or start it; or a checkpoint folder",
+                      check=flags.Resume())
+    requeue_signal: str = opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
+                              ("USR1", "USR2", "none"))
     cache_dir: str = opt("~/.cache/fabric-lab", "where --precision auto keeps its timings per machine",
                          check=flags.Folder())
     tb_images: bool = opt(True, "confusion matrix, misclassified digits, feature maps, histograms in TensorBoard")
@@ -95,7 +98,7 @@ class Config:
 # Settings that may change on resume: they change how the run executes, not what it computes.
 RUNTIME_FIELDS = {"node_timeout", "channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data",
                   "num_workers", "data_dir", "mirror", "out_dir", "run_name", "log_every", "eval_every",
-                  "checkpoint_every", "keep_last", "resume", "tb_images", "max_steps", "cache_dir"}
+                  "checkpoint_every", "keep_last", "resume", "requeue_signal", "tb_images", "max_steps", "cache_dir"}
 # Settings added after runs were saved without them, with the value those runs behaved as (resume compares it).
 ADDED_FIELDS = {"label_smoothing": 0.0}
 
@@ -626,7 +629,7 @@ def run(cfg: Config) -> dict:
     if cfg.resume:
         fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
     data = (train_set, test_set.tensors(), train_set.tensors() if cfg.data == "memory" else None)
-    with StopRequest() as run.stop:
+    with StopRequest(cfg.requeue_signal) as run.stop:
         result = train(run, model, optimizer, scheduler, data)
     summary = {"test_acc": result["test_acc"], "test_loss": result["test_loss"],
                "per_class_acc": result["per_class_acc"], "confusion": result["confusion"],

@@ -357,6 +357,77 @@ def test_sigint_saves_and_resumes_exactly(tmp_path):
     assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)  # restored + resumed
 
 
+FAKE_SCONTROL = """#!/bin/sh
+echo "$@" >> "$SCONTROL_LOG"
+"""
+
+
+def slurm_job(tmp_path, scontrol=True, **ids) -> dict:
+    """A SLURM job's environment as a requeue needs it (no srun: Fabric still starts the ranks), with a stand-in
+    scontrol that records its arguments."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SLURM_JOB_ID": "4242", **ids, "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+    if scontrol:
+        (tmp_path / "bin").mkdir(exist_ok=True)
+        (tmp_path / "bin" / "scontrol").write_text(FAKE_SCONTROL)
+        (tmp_path / "bin" / "scontrol").chmod(0o755)
+        env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+    else:
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not (Path(p) / "scontrol").exists())
+    return env
+
+
+def signal_at_step(args, env, sig, step=20) -> subprocess.CompletedProcess:
+    """Start fabric_gpt.py, send `sig` to all its processes once it logs `step`, and wait for its end."""
+    proc = subprocess.Popen([sys.executable, "fabric_gpt.py", *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+    for line in proc.stdout:
+        if line.startswith(f"step {step:>4}/"):
+            os.killpg(proc.pid, sig)
+            break
+    output = proc.communicate(timeout=180)[0]
+    return subprocess.CompletedProcess(args, proc.returncode, output, "")
+
+
+@pytest.mark.slow  # 2 processes, three launches
+def test_a_slurm_job_signalled_saves_requeues_itself_and_its_rerun_ends_as_the_whole_run(tmp_path):
+    """SIGUSR1 in a SLURM job (what #SBATCH --signal=USR1@90 sends): every rank finishes its step and saves, rank 0
+    calls `scontrol requeue <job>` once, the job exits 0; the requeued job (same command, --resume auto) ends
+    bit for bit where the uninterrupted run ends."""
+    two = ["--devices", "2", "--strategy", "ddp", "--micro-batch-size", "2"]
+    args = [*SMALL, *two, "--num-samples", "4000", "--checkpoint-every", "200", "--out-dir", tmp_path, "--steps", "40"]
+    run_script("fabric_gpt.py", *args, "--run-name", "whole")
+    env = slurm_job(tmp_path)
+    cut = signal_at_step([*args, "--run-name", "cut", "--resume", "auto"], env, signal.SIGUSR1, step=10)
+    assert cut.returncode == 0, cut.stdout[-3000:]
+    assert "SIGUSR1 received: saved" in cut.stdout and "requeued SLURM job 4242" in cut.stdout
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # once, by rank 0
+    assert 10 <= max(int(p.name[5:]) for p in (tmp_path / "cut" / "checkpoints").glob("step-*")) < 40
+    again = subprocess.run([sys.executable, "fabric_gpt.py", *map(str, args), "--run-name", "cut", "--resume", "auto"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr[-2000:]
+    assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)
+
+
+def test_requeue_of_an_array_task_and_without_scontrol(tmp_path):
+    """A job array's task is requeued as <array job>_<task>; where scontrol is missing (a container) the checkpoint
+    is saved all the same and one line says how to requeue by hand; the other requeue signal can be chosen."""
+    args = [*SMALL, "--num-samples", "4000", "--checkpoint-every", "200", "--out-dir", tmp_path, "--requeue-signal", "USR2"]
+    array = slurm_job(tmp_path, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3")
+    proc = signal_at_step([*args, "--run-name", "array"], array, signal.SIGUSR2, step=5)
+    assert proc.returncode == 0 and (tmp_path / "scontrol.log").read_text() == "requeue 100_3\n", proc.stdout[-2000:]
+    proc = signal_at_step([*args, "--run-name", "bare"], slurm_job(tmp_path, scontrol=False), signal.SIGUSR2, step=5)
+    assert proc.returncode == 0 and "scontrol is not on PATH here, so SLURM job 4242 was not requeued" in proc.stdout
+    assert "`scontrol requeue 4242`" in proc.stdout and list((tmp_path / "bare" / "checkpoints").glob("step-*"))
+
+
+def test_sigusr1_outside_slurm_does_nothing_harmful(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = signal_at_step([*SMALL, "--num-samples", "400", "--out-dir", tmp_path, "--run-name", "plain"], {**env,
+                          "PYTHONUNBUFFERED": "1"}, signal.SIGUSR1, step=5)
+    assert proc.returncode == 0 and "warning: SIGUSR1 ignored" in proc.stdout
+    assert record(tmp_path, "plain")["steps"] == 100  # it trained to the end
+
+
 def test_explicit_older_resume_abandons_the_newer_branch(tmp_path):
     run_gpt(tmp_path, "r", "--micro-batch-size", "4", "--checkpoint-every", "1", "--keep-last", "10", "--steps", "5")
     (tmp_path / "r" / "checkpoints" / "step-00000009.partial").mkdir()  # a save that never finished

@@ -18,9 +18,9 @@ ARGS = ["--epochs", "2", "--train-samples", "30000", "--batch-size", "128", "--c
         "--no-tb-images", "--accelerator", "cpu"]
 
 
-def start(args) -> subprocess.Popen:
+def start(args, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "fabric_lenet.py", *map(str, args)], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -44,14 +44,20 @@ def reference(mnist_dir, tmp_path_factory):
     return out / "ref"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGUSR1])
 def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
+    """Killed, stopped with Ctrl-C, or (in a SLURM job) asked to requeue: the run resumes to the uninterrupted one."""
+    from test_gpt import slurm_job
+
     args = [*ARGS, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "cut"]
-    proc = start(args)
+    proc = start(args, slurm_job(tmp_path) if sig == signal.SIGUSR1 else None)
     wait_for_checkpoint(tmp_path / "cut", proc)
     os.killpg(proc.pid, sig)
     output = proc.communicate(timeout=120)[0]
-    if sig == signal.SIGINT:  # a clean stop: checkpoint first, then exit 130 and say how to resume
+    if sig == signal.SIGUSR1:  # saved, `scontrol requeue 4242` called once, exit 0: a requeue is not a failure
+        assert proc.returncode == 0 and "SIGUSR1 received: saved" in output, output
+        assert "requeued SLURM job 4242" in output and (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    elif sig == signal.SIGINT:  # a clean stop: checkpoint first, then exit 130 and say how to resume
         assert proc.returncode == 128 + signal.SIGINT, output
         assert "SIGINT received: saved" in output and "--resume auto" in output
     else:
