@@ -603,8 +603,8 @@ def parse_args(argv=None) -> Config:
 def main(argv=None):
     cfg = resolve(parse_args(argv))
     if cfg.plan or cfg.search:
-        return run_main(cfg, "gpt", validate, plan_only)
-    return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,), finished=reached_its_end)
+        return run_main(cfg, "gpt", validate, plan_only, argv=argv)
+    return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,), finished=reached_its_end, argv=argv)
 
 
 def reached_its_end(record: dict, cfg: Config) -> bool:

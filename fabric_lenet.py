@@ -566,7 +566,7 @@ def main(argv=None) -> dict:
     global PRECISION_PROBE
     PRECISION_PROBE = None  # filled by --precision auto in validate()
     return run_main(parse_args(argv), "lenet", validate, run, errors=(GeluBuildError, datasets_local.MNISTError),
-                    finished=reached_its_end)
+                    finished=reached_its_end, argv=argv)
 
 
 def reached_its_end(record: dict, cfg: Config) -> bool:

@@ -35,6 +35,36 @@ def launcher(environ=None) -> str:
     return FABRIC
 
 
+# What `fabric run` (Lightning's launcher: torchrun underneath) tells the script it starts, by variable
+FABRIC_RUN = {"accelerator": "LT_ACCELERATOR", "strategy": "LT_STRATEGY", "devices": "LT_DEVICES",
+              "num_nodes": "LT_NUM_NODES", "precision": "LT_PRECISION"}
+
+
+def take_fabric_run_settings(cfg, argv: list[str]) -> None:
+    """Under `fabric run --accelerator cpu --devices 2 ... script.py ...`: its accelerator, strategy, devices, nodes
+    and precision become the script's wherever the script's own flag was not given; a flag given with another value
+    is one line. The LT_* variables are then removed, so that Fabric sees the one reconciled setting (it would
+    compare a strategy object with the launcher's name and refuse) and meets the ranks as under torchrun, which
+    `fabric run` is underneath (launch() then starts the process group as it does there)."""
+    if os.environ.pop("LT_CLI_USED", None) != "1":
+        return
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for field, variable in FABRIC_RUN.items():
+        value = os.environ.pop(variable, None)
+        if value is None:
+            continue
+        flag, current = "--" + field.replace("_", "-"), getattr(cfg, field)
+        try:
+            theirs = type(current)(value)
+        except ValueError:
+            raise ConfigError(f"`fabric run {flag} {value}`: this script takes {flag} as a number of processes; give "
+                              f"fabric run a count") from None
+        if flag in given and theirs != current:
+            raise ConfigError(f"{flag} {current} conflicts with `fabric run {flag} {value}`, which launched this "
+                              f"process: give {flag} in one place (the launcher's decides how many processes start)")
+        setattr(cfg, field, theirs)
+
+
 def started_by_fabric(environ=None) -> bool:
     """A rank that Fabric started beside rank 0 (its local rank above 0), not one a launcher started."""
     env = os.environ if environ is None else environ

@@ -28,7 +28,7 @@ import torch
 
 from flags import ConfigError
 from hardware import cpu_name
-from ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
+from ranks import LOST_PEER, PeerWatch, launcher, take_fabric_run_settings, watch_peers, watch_ranks
 
 PARTIAL = ".partial"
 RECORD = "record.json"
@@ -587,12 +587,14 @@ def resume_or_start(cfg, kind: str, finished) -> dict | None:
     return None
 
 
-def run_main(cfg, kind: str, validate, run, errors: tuple = (), finished=lambda record, cfg: False):
+def run_main(cfg, kind: str, validate, run, errors: tuple = (), finished=lambda record, cfg: False, argv=None):
     """What both scripts' main() do: validate, find the run a --resume means (or start or skip it: resume_or_start),
     run it, and turn every expected failure into one line `error: ...` (exit 1) and a clean stop into 128 + the
-    signal number. `finished(record, cfg)`: the record of an earlier run reached what cfg asks for."""
+    signal number. `finished(record, cfg)`: the record of an earlier run reached what cfg asks for; `argv`: the
+    command line cfg came from (to tell the flags given from the defaults under `fabric run`)."""
     PeerWatch.current = None
     try:
+        take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else argv)
         if cfg.run_name and (Path(cfg.run_name).name != cfg.run_name or cfg.run_name in (".", "..")):
             raise ConfigError(f"--run-name {cfg.run_name!r} is a path; it names one folder under --out-dir "
                               f"({cfg.out_dir}). Give the parent folder as --out-dir and a plain name as --run-name")

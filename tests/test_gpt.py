@@ -697,3 +697,31 @@ def test_a_run_planned_over_a_minute_says_so_before_its_first_step(seq_len, said
     gpt.announce_duration(fabric, cfg, gpt.count_parameters(cfg)[0], peak, 2)
     out = capsys.readouterr().out
     assert ("planned: about " in out and "for 2 steps" in out and "Ctrl-C stops cleanly" in out) == said, out
+
+
+# ----------------------------------------------------------------------------- Lightning's launcher
+@pytest.mark.slow
+def test_fabric_run_launches_the_script_as_its_own_launch_does(two_process, tmp_path):
+    """`fabric run --accelerator cpu --devices 2 --strategy ddp fabric_gpt.py ...`: the launcher's settings become the
+    script's, and the run equals the script's own 2-process ddp run step by step."""
+    out, name = two_process("ddp")
+    args = [*EXACT, *TWO_PROCESS["ddp"], "--count-comms", "--checkpoint-every", "2", "--keep-last", "6"]
+    proc = subprocess.run([Path(sys.executable).with_name("fabric"), "run", "--accelerator", "cpu", "--devices", "2",
+                           "--strategy", "ddp", "fabric_gpt.py", *map(str, args), "--out-dir", tmp_path, "--run-name",
+                           "fabric-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = record(tmp_path, "fabric-run")
+    assert got["world_size"] == 2 and got["config"]["strategy"] == "ddp" and got["env"]["launcher"] == "torchrun"
+    assert losses(tmp_path, "fabric-run") == pytest.approx(losses(out, name), rel=1e-6)
+
+
+def test_a_flag_that_contradicts_fabric_run_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    monkeypatch.setenv("LT_DEVICES", "2")
+    monkeypatch.setattr(gpt, "build_model", lambda cfg, fabric=None: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit) as exit_:
+        gpt.main(["--devices", "1", "--accelerator", "cpu", "--out-dir", str(tmp_path)])
+    assert str(exit_.value.code) == ("error: --devices 1 conflicts with `fabric run --devices 2`, which launched this "
+                                     "process: give --devices in one place (the launcher's decides how many processes "
+                                     "start)")
+    assert not list(tmp_path.iterdir())

@@ -1,12 +1,14 @@
 """fabric_lenet.py: the model, real training on real MNIST, 2-process DDP against 1 process, bad flags."""
 
-
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import read_summary, run_in_process, run_script
+from conftest import REPO, read_summary, run_in_process, run_script
 import fabric_lenet
 from fabric_lenet import Config, LeNet5, epoch_order, random_shift
 
@@ -153,6 +155,16 @@ def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
     # Same global batches, gradients averaged by gloo: equal up to float32 summation order.
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=1e-4)
     assert abs(ddp["test_acc"] - single["test_acc"]) <= 0.002
+    # Lightning's own launcher: `fabric run` gives accelerator, devices and strategy; the same run (fabric run sets
+    # OMP_NUM_THREADS to 1 per process, so float32 sums may differ in the last digits)
+    fabric_run = Path(sys.executable).with_name("fabric")
+    proc = subprocess.run([fabric_run, "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+                           "fabric_lenet.py", *map(str, common), "--run-name", "fabric-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    launched = read_summary(tmp_path / "fabric-run")
+    assert launched["config"]["devices"] == 2 and launched["config"]["strategy"] == "ddp"
+    assert launched["test_loss"] == pytest.approx(ddp["test_loss"], rel=1e-6) and launched["test_acc"] == ddp["test_acc"]
 
 
 def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
