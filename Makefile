@@ -25,7 +25,7 @@ GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps
 	$(if $(filter 1 yes true,$(SEARCH)),--search) $(if $(filter 1 yes true,$(COUNT_COMMS)),--count-comms) $(ARGS)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab gpu-check data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt plan gpt-plan bench-gpt report clean
+.PHONY: help setup lab gpu-check data lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt export plan gpt-plan bench-gpt report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -97,6 +97,10 @@ bench-lenet: $(SETUP) ## LeNet-5 samples/s (DataLoader vs in-memory) and time to
 
 gpt: $(SETUP) ## train GPT-2 on random tokens (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
 	$(PY) fabric_gpt.py $(GPT_FLAGS)
+
+export: $(SETUP) ## write runs/RUN/hf/, a Hugging Face model folder, from the run's newest checkpoint (any strategy)
+	$(if $(RUN),,$(error make export needs RUN=<run folder name under $(RUNS)/>))
+	$(PY) hf_export.py $(RUNS)/$(RUN)
 
 plan: $(SETUP) ## predict memory, step time, traffic and days (MODEL STRATEGY DEVICES NODES CLUSTER TOKENS SEARCH=1 PLAN_JSON)
 	$(PY) fabric_gpt.py --plan $(GPT_FLAGS)

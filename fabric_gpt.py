@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accounting
 import flags
+import hf_export
 import perf_model
 import strategies
 from accounting import count_parameters, gpt2_config
@@ -107,7 +108,7 @@ class Config:
                       check=flags.Resume())
     requeue_signal: str = opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
                               ("USR1", "USR2", "none"))
-    export: bool = opt(False, "at the end, write runs/<run>/gpt2_state_dict.pt: one GPT-2 state dict, any strategy")
+    export: bool = opt(False, "at the end, write runs/<run>/hf/: a Hugging Face model folder, whatever the strategy")
 
 
 # grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it)
@@ -722,7 +723,8 @@ def run(cfg: Config) -> dict:
     if cfg.export:
         export = strategies.export_state_dict(fabric, model, cfg)
         if fabric.global_rank == 0:
-            torch.save(export, run.dir / "gpt2_state_dict.pt")
+            record["exported_to"] = str(hf_export.write_hf_folder(export, cfg, run.dir / "hf"))
+        del export
     record = run.finish(record)
     print_summary(fabric, record)
     return record

@@ -41,6 +41,13 @@ TWO_PROCESS = {
 }
 
 
+def exported(run_dir: Path) -> dict:
+    """The weights of a run's Hugging Face folder (--export), every shard."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((run_dir / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def record(out: Path, name: str) -> dict:
     return json.loads((out / name / "record.json").read_text())
 
@@ -112,8 +119,8 @@ def test_strategy_equals_one_process(single, two_process, name):
     assert got["losses"][0][1] == pytest.approx(ref["losses"][0][1], abs=1e-5)
     assert [l for _, l in got["losses"]] == pytest.approx([l for _, l in ref["losses"]], rel=1e-4)
     assert [n for _, n in got["grad_norms"]] == pytest.approx([n for _, n in ref["grad_norms"]], rel=1e-4)
-    w_ref = torch.load(single[0] / "single" / "gpt2_state_dict.pt")
-    w_got = torch.load(out / run / "gpt2_state_dict.pt")
+    w_ref = exported(single[0] / "single")
+    w_got = exported(out / run)
     assert set(w_got) == set(w_ref)
     for key in w_ref:
         torch.testing.assert_close(w_got[key], w_ref[key], rtol=1e-4, atol=1e-5, msg=key)
@@ -315,12 +322,12 @@ def test_resumed_from_a_mid_run_checkpoint_gives_the_uninterrupted_run(two_proce
     assert losses(tmp_path, "cut") == pytest.approx(losses(whole_out, whole), rel=1e-6)
     # the resumed process times its own first (cold) steps out: 8 steps run here (10 after the damaged one), 2 of warm-up
     assert record(tmp_path, "cut")["timed_steps"] == (10 if damaged else 8) - 2
-    exported = strategies.export_checkpoint(tmp_path / "cut" / "checkpoints" / "step-00000012")
-    final = torch.load(whole_out / whole / "gpt2_state_dict.pt")
+    from_checkpoint = strategies.export_checkpoint(tmp_path / "cut" / "checkpoints" / "step-00000012")
+    final = exported(whole_out / whole)
     for key in final:  # a sharded checkpoint, read in one process, is one ordinary GPT-2 state dict
-        torch.testing.assert_close(exported[key], final[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(from_checkpoint[key], final[key], rtol=1e-4, atol=1e-5, msg=key)
     model = gpt.build_model(gpt.resolve(gpt.Config(model="tiny")))
-    missing, unexpected = model.load_state_dict(exported, strict=False)
+    missing, unexpected = model.load_state_dict(from_checkpoint, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
 
 
@@ -725,3 +732,43 @@ def test_a_flag_that_contradicts_fabric_run_is_one_line(tmp_path, monkeypatch, c
                                      "process: give --devices in one place (the launcher's decides how many processes "
                                      "start)")
     assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- a model others load
+@pytest.mark.slow  # reads the 2-process runs
+@pytest.mark.parametrize("name", ["tp", "pp", "deepspeed_stage_3"])
+def test_make_export_writes_a_folder_transformers_loads(single, two_process, name, tmp_path):
+    """`make export RUN=<run>` on a sharded run's checkpoint: a folder AutoModelForCausalLM loads with no missing or
+    unexpected keys, whose logits are the checkpoint's model's (float32, 1e-5) and whose weights equal the
+    one-process run's export."""
+    import hf_export
+    from transformers import AutoModelForCausalLM
+
+    out, run = two_process(name)
+    shutil.copytree(out / run / "checkpoints", tmp_path / run / "checkpoints")
+    folder = hf_export.main([str(tmp_path / run)])
+    assert folder == tmp_path / run / "hf" and {"config.json", "generation_config.json", "model.safetensors"} <= {
+        p.name for p in folder.iterdir()}
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    newest = sorted((tmp_path / run / "checkpoints").glob("step-*"))[-1]
+    trained = gpt.build_model(gpt.resolve(gpt.Config(model="tiny")))
+    trained.load_state_dict(strategies.export_checkpoint(newest), strict=False)
+    trained.tie_weights()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens).logits, trained.eval()(tokens).logits, rtol=0, atol=1e-5)
+    one = exported(single[0] / single[1])
+    got = exported(tmp_path / run)
+    assert set(got) == set(one)
+    for key in one:
+        torch.testing.assert_close(got[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_export_of_a_run_without_checkpoint_is_one_line(tmp_path, capsys):
+    import hf_export
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        hf_export.main([str(tmp_path / "empty")])
+    assert str(exit_.value.code).startswith(f"error: {tmp_path / 'empty'} has no complete checkpoint to export")

@@ -6,7 +6,8 @@ import ast
 from conftest import REPO
 
 SCRIPTS = {"fabric_lenet", "fabric_gpt", "bench", "lab", "report"}
-MODULES = ["accounting", "comm_counter", "datasets_local", "flags", "hardware", "perf_model", "ranks", "run_state",
+MODULES = ["accounting", "comm_counter", "datasets_local", "flags", "hardware", "hf_export", "perf_model", "ranks",
+           "run_state",
            "strategies", "gelu_ext/__init__", "gelu_ext/__main__"]
 
 
