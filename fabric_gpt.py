@@ -532,7 +532,7 @@ def host_available(cfg: Config) -> float:
 
 
 def host_fits(need: float, available: float) -> bool:
-    return need <= 0.9 * available  # 10% kept, as for devices
+    return need * (1 + accounting.HOST_PLAN_MARGIN) <= available  # the plan's measured error, kept
 
 
 def check_host_memory(cfg: Config, on_gpu: bool) -> None:
@@ -548,25 +548,42 @@ def check_host_memory(cfg: Config, on_gpu: bool) -> None:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     offload = f", of which offload {gib(host['offload'])}" if host["offload"] else ""
-    fixes = []
-    for advice, change in (("--grad-checkpointing", {"grad_checkpointing": True}),
-                          ("--micro-batch-size 1", {"micro_batch_size": 1}),
-                          ("--strategy deepspeed_stage_3 --grad-checkpointing", {"strategy": "deepspeed_stage_3", "grad_checkpointing": True}),
-                          ("--strategy deepspeed_stage_3_offload --nvme-path DIR --grad-checkpointing --micro-batch-size 1",
-                           {"strategy": "deepspeed_stage_3_offload", "nvme_path": "DIR", "grad_checkpointing": True, "micro_batch_size": 1})):
-        other = dataclasses.replace(cfg, **change)
-        if other.optimizer == "sgd" and other.strategy.endswith("_offload"):
-            continue
-        need = host_plan(other, on_gpu)["machine"]
-        if host_fits(need, available):
-            fixes.append(f"{advice} ({gib(need)})")
+    fixes = [f"{advice} ({gib(need)})" for advice, need in host_memory_fixes(cfg, on_gpu, available)]
+    margin = f"{100 * accounting.HOST_PLAN_MARGIN:.0f}%"
     raise ConfigError(
         f"this run needs about {gib(host['machine'])} of host memory and {gib(available)} is available (the plan keeps "
-        f"10%): {cfg.devices} process(es) x {gib(host['per_process'])} = libraries {gib(host['baseline'])} + the larger of "
-        f"building the model ({gib(host['construction'])}), training ({gib(host['training'])}{offload}) and saving a "
-        f"checkpoint ({gib(host['checkpoint'])})."
-        f" Would fit: {'; '.join(fixes[:3]) if fixes else 'none of checkpointing, micro-batch 1, ZeRO-3 or NVMe offload: use a smaller model or a larger machine'}"
+        f"{margin}, its measured error): {cfg.devices} process(es) x {gib(host['per_process'])} = libraries "
+        f"{gib(host['baseline'])} + the larger of building the model ({gib(host['construction'])}), training "
+        f"({gib(host['training'])}{offload}) and saving a checkpoint ({gib(host['checkpoint'])})."
+        f" Would fit: {'; '.join(fixes[:3]) if fixes else 'nothing this machine can change (checkpointing, micro-batch 1, bf16, ZeRO-3, NVMe offload): use a smaller model or a larger machine'}"
         f". (--host-memory-gb overrides the available figure.)")
+
+
+# What lowers a run's host memory, cheapest first: each is tried alone, then with those before it
+HOST_LEVERS = (("--grad-checkpointing", {"grad_checkpointing": True}),
+               ("--micro-batch-size 1", {"micro_batch_size": 1}),
+               ("--precision bf16-mixed", {"precision": "bf16-mixed"}),
+               ("--strategy deepspeed_stage_3", {"strategy": "deepspeed_stage_3"}),
+               ("--strategy deepspeed_stage_3_offload --nvme-path DIR", {"strategy": "deepspeed_stage_3_offload",
+                                                                         "nvme_path": "DIR"}))
+
+
+def host_memory_fixes(cfg: Config, on_gpu: bool, available: float) -> list[tuple[str, float]]:
+    """(flags to add, host bytes then) for each setting, or setting with the cheaper ones before it, that makes the
+    run fit; a lever already in use is never advised, nor one the run's other settings refuse."""
+    fixes, chosen = [], []  # chosen: the levers tried so far, a later one replacing any that sets the same thing
+    for advice, change in HOST_LEVERS:
+        if all(getattr(cfg, k) == v or (k == "nvme_path" and cfg.nvme_path) for k, v in change.items()):
+            continue  # in use already (any NVMe folder is the NVMe lever)
+        chosen = [(a, c) for a, c in chosen if not set(c) & set(change)] + [(advice, change)]
+        for levers in ([(advice, change)], chosen):
+            other = dataclasses.replace(cfg, **{k: v for _, c in levers for k, v in c.items()})
+            if other.optimizer == "sgd" and other.strategy.endswith("_offload"):
+                continue  # ZeRO-Offload steps with DeepSpeed's CPU Adam only (validate refuses sgd there)
+            need, text = host_plan(other, on_gpu)["machine"], " ".join(a for a, _ in levers)
+            if host_fits(need, available) and text not in (f for f, _ in fixes):
+                fixes.append((text, need))
+    return fixes
 
 
 def validate_parallel_sizes(cfg: Config) -> None:
@@ -625,7 +642,7 @@ def plan_only(cfg: Config) -> dict:
     else:
         n_params, attn = count_parameters(cfg)
         result = perf_model.full_plan(cfg, cluster, n_params, attn, cfg.tokens)
-        host = host_plan(cfg, cluster.name != "cpu", (n_params, attn))
+        host = host_plan(cfg, cluster.name != "cpu" and cfg.accelerator != "cpu", (n_params, attn))
         available = host_available(cfg)
         result.update(host_memory_per_process_bytes=host["per_process"], host_memory_machine_bytes=host["machine"],
                       host_memory_available_bytes=available, host_fits=host_fits(host["machine"], available))

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import run_in_process
 import fabric_gpt as gpt
+import accounting
 import perf_model
 
 ONE_GB = perf_model.GB
@@ -41,7 +42,7 @@ def test_plan_json_holds_memory_time_and_the_transfers(tmp_path):
     assert "time plan on 1 x 2 NVIDIA A100 80GB SXM" in proc.stdout and "days" in proc.stdout
     # the host side: what this machine's processes would hold, against what psutil says is available
     assert plan["host_memory_machine_bytes"] == 2 * plan["host_memory_per_process_bytes"] > 0
-    fits = plan["host_memory_machine_bytes"] <= 0.9 * plan["host_memory_available_bytes"]  # the plan's 10% margin
+    fits = plan["host_memory_machine_bytes"] * (1 + accounting.HOST_PLAN_MARGIN) <= plan["host_memory_available_bytes"]
     assert plan["host_fits"] is fits and "host memory:" in proc.stdout
 
 
