@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import run_in_process
-import fabric_gpt as gpt
 import accounting
+import fabric_gpt as gpt
 import perf_model
 
 ONE_GB = perf_model.GB
