@@ -805,3 +805,14 @@ def test_export_of_a_run_without_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         hf_export.main([str(tmp_path / "empty")])
     assert str(exit_.value.code).startswith(f"error: {tmp_path / 'empty'} has no complete checkpoint to export")
+
+
+def test_resume_auto_on_a_finished_gpt_run_trains_no_more(tmp_path):
+    """A requeued job that already finished: --resume auto sees the record reached --steps and exits 0 untouched;
+    asked for more steps, the same command continues it."""
+    first = run_gpt(tmp_path, "done", "--steps", "3", "--resume", "auto")
+    assert "has no checkpoint yet: starting the run" in first.stdout and record(tmp_path, "done")["steps"] == 3
+    again = run_gpt(tmp_path, "done", "--steps", "3", "--resume", "auto")
+    assert "has finished (its record.json holds step 3); nothing to train" in again.stdout and "loss" not in again.stdout
+    more = run_gpt(tmp_path, "done", "--steps", "5", "--resume", "auto")
+    assert "resumed from" in more.stdout and record(tmp_path, "done")["steps"] == 5
