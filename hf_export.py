@@ -62,6 +62,9 @@ def export_run(run_dir) -> Path:
     cfg = SimpleNamespace(**json.loads((newest / "config.json").read_text()))
     if getattr(cfg, "kind", "gpt") != "gpt":
         raise ValueError(f"{run_dir} is a {cfg.kind} run; only GPT-2 runs export to Hugging Face")
+    if getattr(cfg, "nvme_path", ""):  # DeepSpeed's NVMe-offload checkpoint keeps empty placeholders for the states
+        raise ValueError(f"{newest} is an NVMe-offload checkpoint, whose weights DeepSpeed keeps in the NVMe folder and "
+                         f"cannot read back from the checkpoint; export such a run at its end with --export")
     folder = write_hf_folder(strategies.export_checkpoint(newest), cfg, run_dir / "hf")
     print(f"exported {newest} to {folder}: load it with AutoModelForCausalLM.from_pretrained({str(folder)!r})")
     return folder
