@@ -34,7 +34,8 @@ from comm_counter import CommCounter
 from flags import ConfigError, opt
 from hardware import check_hardware, cpu_name, uses_gpu
 from ranks import check_launcher, launch
-from run_state import NonFiniteLoss, Progress, ResumeError, Run, StopRequest, nonfinite_message, run_main
+from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StopRequest, nonfinite_message, requeue_flag,
+                       resume_flag, run_main)
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -104,10 +105,8 @@ class Config:
     run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)", check=flags.RunName())
     checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)", min=0)
     keep_last: int = opt(2, "checkpoints kept", min=1)
-    resume: str = opt("", "auto: continue the run from its newest good checkpoint, or start it; or a checkpoint folder",
-                      check=flags.Resume())
-    requeue_signal: str = opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
-                              ("USR1", "USR2", "none"))
+    resume: str = resume_flag()
+    requeue_signal: str = requeue_flag()
     export: bool = opt(False, "at the end, write runs/<run>/hf/: a Hugging Face model folder, whatever the strategy")
 
 

@@ -35,7 +35,7 @@ from gelu_ext import GeluBuildError
 from hardware import check_hardware, cpu_name, cpu_units, uses_gpu
 from ranks import check_launcher, launch
 from run_state import (NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, nonfinite_message, progress_bar,
-                       run_main, write_json_atomic)
+                       requeue_flag, resume_flag, run_main, write_json_atomic)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -86,10 +86,8 @@ class Config:
     eval_every: int = opt(0, "steps between extra test evaluations (0: only at epoch ends)", min=0)
     checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)", min=0)
     keep_last: int = opt(3, "checkpoints kept", min=1)
-    resume: str = opt("", "auto: continue the run from its newest good checkpoint, or start it; or a checkpoint folder",
-                      check=flags.Resume())
-    requeue_signal: str = opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
-                              ("USR1", "USR2", "none"))
+    resume: str = resume_flag()
+    requeue_signal: str = requeue_flag()
     cache_dir: str = opt("~/.cache/fabric-lab", "where --precision auto keeps its timings per machine",
                          check=flags.Folder())
     tb_images: bool = opt(True, "confusion matrix, misclassified digits, feature maps, histograms in TensorBoard")

@@ -26,9 +26,21 @@ from pathlib import Path
 
 import torch
 
-from flags import ConfigError
+from flags import ConfigError, Resume, opt
 from hardware import cpu_name
 from ranks import LOST_PEER, PeerWatch, launcher, take_fabric_run_settings, watch_peers, watch_ranks
+
+def resume_flag():
+    """--resume, the same in both scripts' configs."""
+    return opt("", "auto: continue the run from its newest good checkpoint, or start it; or a checkpoint folder",
+               check=Resume())
+
+
+def requeue_flag():
+    """--requeue-signal (StopRequest), the same in both scripts' configs."""
+    return opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
+               ("USR1", "USR2", "none"))
+
 
 PARTIAL = ".partial"
 RECORD = "record.json"
