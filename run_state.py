@@ -577,9 +577,10 @@ def refuse_existing_run(cfg) -> None:
 
 def resume_or_start(cfg, kind: str, finished) -> dict | None:
     """--resume auto, set once and forgotten (as Lightning's ckpt_path="last"): continue the run when it has a
-    checkpoint, start it when it has none (one line says so), and when its record says it already reached what this
-    command asks for, return that record: a requeued job that finished must not train twice. Every rank decides
-    the same, from the same files, before any rank writes."""
+    checkpoint, start it when it has none (one line says so), and when its record says the same settings already
+    reached what this command asks for, return that record: a requeued job that finished must not train twice (other
+    settings take the ordinary way: continue, or be refused with the difference). Every rank decides the same, from
+    the same files, before any rank writes."""
     if not cfg.run_name:
         try:
             cfg.run_name = resume_run_name("auto", cfg.out_dir, kind)
@@ -589,7 +590,10 @@ def resume_or_start(cfg, kind: str, finished) -> dict | None:
             return None
     folder = Path(cfg.out_dir) / cfg.run_name
     record = read_record(folder)
-    if record is not None and record.get("kind") == kind and finished(record, cfg):
+    where = ("kind", "resume", "run_name", "out_dir")  # how the command names the run, not what it asks for
+    same = record is not None and {k: v for k, v in record.get("config", {}).items() if k not in where} == {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k not in where}
+    if same and record.get("kind") == kind and finished(record, cfg):  # the same command again: a requeued job
         print(f"--resume auto: run {folder} has finished (its record.json holds step {record.get('steps')}); "
               f"nothing to train", flush=True)
         return record
