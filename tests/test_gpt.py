@@ -816,3 +816,16 @@ def test_resume_auto_on_a_finished_gpt_run_trains_no_more(tmp_path):
     assert "has finished (its record.json holds step 3); nothing to train" in again.stdout and "loss" not in again.stdout
     more = run_gpt(tmp_path, "done", "--steps", "5", "--resume", "auto")
     assert "resumed from" in more.stdout and record(tmp_path, "done")["steps"] == 5
+
+
+def test_mfu_of_a_bf16_run_without_bf16_instructions_is_a_share(tmp_path):
+    """Under the AVX2 caps (no bf16 instructions: they imitate such a CPU's instruction set), the bf16 matmul probe
+    alone runs ~1 GFLOP/s while the model's addmm runs far faster: the peak is the best path measured, named in the
+    record, and the utilization lies in [0, 1]."""
+    env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    run_script("fabric_gpt.py", "--model", "tiny", "--n-embd", "32", "--n-layer", "1", "--seq-len", "32",
+               "--precision", "bf16-mixed", "--accelerator", "cpu", "--steps", "4", "--timing-warmup", "1",
+               "--num-samples", "64", "--out-dir", tmp_path, "--run-name", "caps", env=env)
+    rec = record(tmp_path, "caps")
+    assert 0 < rec["mfu"] <= 1, rec["mfu"]
+    assert rec["peak_flops_source"].startswith("measured CPU matmul probe, best of bf16 addmm, bf16 matmul")
