@@ -76,7 +76,8 @@ class Config:
     accelerator: str = opt("auto", "where it runs", ("auto", "cpu", "gpu", "cuda"), group="parallelism (Fabric)")
     devices: int = opt(1, "processes (devices) per node", min=1)
     num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM", min=1)
-    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or stopped answering", above=0)
+    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or stopped answering", above=0,
+                              max=1e6)
     strategy: str = opt("auto", "one of auto, ddp, fsdp, tp, fsdp_tp, pp, deepspeed_stage_1/2/3, "
                        "deepspeed_stage_2/3_offload (docs/gpt.md)", STRATEGIES)
     tp_size: int = opt(0, "tensor-parallel group size for tp/fsdp_tp (0: all processes)", min=0)
@@ -499,6 +500,11 @@ def validate(cfg: Config) -> None:
     if cfg.precision == "16-mixed" and cfg.strategy in strategies.MODEL_PARALLEL:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
+    data_bytes = cfg.num_samples * cfg.seq_len * 8  # the token ids, int64, made whole before the first step
+    if data_bytes > host_available(cfg) / 4:
+        raise ConfigError(f"--num-samples {cfg.num_samples} x --seq-len {cfg.seq_len} tokens are {data_bytes / 2**30:.1f} "
+                          f"GiB of token ids, more than a quarter of this machine's available memory; use fewer samples "
+                          f"(--steps ends a run early without making its samples smaller)")
     check_host_memory(cfg, on_gpu)
     per_step = samples_per_step(cfg)
     if cfg.num_samples % per_step:

@@ -47,7 +47,8 @@ class Config:
     accelerator: str = opt("auto", "where it runs", ("auto", "cpu", "gpu", "cuda", "mps"), group="where and how it runs")
     devices: int = opt(1, "devices (processes) per node", min=1)
     num_nodes: int = opt(1, "nodes; Fabric reads the rank layout from torchrun/SLURM", min=1)
-    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or stopped answering", above=0)
+    node_timeout: float = opt(60.0, "seconds to wait for a node that has not joined or stopped answering", above=0,
+                              max=1e6)
     strategy: str = opt("auto", "auto: one device; ddp: one process per device; dp: one process, several GPUs",
                         STRATEGIES)
     precision: str = opt("auto", "auto (bf16-mixed on GPUs, the faster of two on CPUs: docs/lenet.md), 32-true, "

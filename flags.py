@@ -50,8 +50,9 @@ class Number(Check):
         if kind is int and max is None:
             self.max = INT_MAX  # C's int: a count beyond it is a typo, and would overflow far from the flag
         self.metavar = "N" if kind is int else "X"
-        bounds = [f">= {min}" if min is not None else "", f"> {above}" if above is not None else "",
-                  f"<= {max}" if max is not None else "", f"< {below}" if below is not None else ""]
+        shown_ = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731 - 1e+06, not 1000000.0
+        bounds = [f">= {shown_(min)}" if min is not None else "", f"> {shown_(above)}" if above is not None else "",
+                  f"<= {shown_(max)}" if max is not None else "", f"< {shown_(below)}" if below is not None else ""]
         self.allows = (("an integer" if kind is int else "a finite number") + " " + " and ".join(b for b in bounds if b)
                        + (", or 0" if zero else "")).strip() + (f" (at most {INT_MAX})" if kind is int and max is None else "")
 

@@ -124,8 +124,8 @@ def build_parser():
 
     parser = Parser(description=__doc__, prog="python -m gelu_ext")
     parser.add_argument("command", type=choice(("check", "bench")), help="check: errors and gradcheck; bench: speed")
-    parser.add_argument("--numel", type=number(int, min=1, max=2**31 - 1), default=16 * 1024 * 1024,
-                        help="bench: elements of the test tensor (default: 16M)")
+    parser.add_argument("--numel", type=number(int, min=1, max=2**28), default=16 * 1024 * 1024,
+                        help="bench: elements of the test tensor (default: 16M; at most 2^28, 1 GiB of float32)")
     parser.add_argument("--repeats", type=number(int, min=1, max=10**6), default=21, help="bench: timed repetitions "
                         "(default: 21)")
     parser.add_argument("--out", default="runs/gelu", type=Folder(), help="folder for the JSON record (default: runs/gelu)")

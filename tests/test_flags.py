@@ -159,6 +159,7 @@ def sane(kind, text, value) -> bool:
     (fabric_lenet, ["--lr", "inf"], "--lr"),
     (fabric_lenet, ["--weight-decay", "-1"], "--weight-decay"),
     (fabric_lenet, ["--weight-decay", "nan"], "--weight-decay"),
+    (fabric_lenet, ["--node-timeout", "1e308"], "--node-timeout must be a finite number > 0 and <= 1e+06, got 1e308"),
     (bench, ["gpt", "--devices", "0"], "--devices must be an integer >= 1 (at most 2147483647), got 0"),
     (bench, ["gpt", "--", "--dropout", "2"], "--dropout"),
     (report, ["--runs", "/nonexistent"], "--runs must be an existing folder, got /nonexistent"),

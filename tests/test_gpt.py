@@ -562,6 +562,7 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
     (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme", "--resume", "auto"], "moments and step count"),
     (["--devices", "512", "--accelerator", "cpu"], "CPU cores"),
     (["--num-samples", "10", "--micro-batch-size", "4"], "not a multiple of the 4 samples per optimizer step"),
+    (["--num-samples", "2000000000", "--accelerator", "cpu"], "GiB of token ids, more than a quarter"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
     (["--precision", "16-mixed", "--accelerator", "cpu", "--strategy", "deepspeed_stage_2"], "needs a GPU"),
     (["--strategy", "tp", "--devices", "2", "--n-head", "3", "--n-embd", "66"], "--tp-size 2 must divide the 3 attention heads"),
