@@ -299,11 +299,10 @@ BENCH_STRATEGIES = ("auto", "ddp", "fsdp", "tp", "pp", "deepspeed_stage_1", "dee
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The benchmark's flags, and the flags it passes on checked by the script's own parser, before any case runs."""
-    args = build_parser().parse_args(argv)
-    import fabric_gpt
-    import fabric_lenet
+    import importlib
 
-    (fabric_lenet if args.command == "lenet" else fabric_gpt).parse_args(args.extra)
+    args = build_parser().parse_args(argv)
+    importlib.import_module(f"fabric_{args.command}").parse_args(args.extra)
     return args
 
 

@@ -493,7 +493,7 @@ def validate(cfg: Config) -> None:
     if cfg.plan or cfg.search:
         return
     # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
-    check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py", cfg.node_timeout)
+    check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py")
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not is_deepspeed(cfg.strategy))
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
@@ -548,12 +548,13 @@ def check_host_memory(cfg: Config, on_gpu: bool) -> None:
 
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    host, available = host_plan(cfg, on_gpu), host_available(cfg)
+    counted = count_parameters(cfg)  # the levers below change memory, not the model
+    host, available = host_plan(cfg, on_gpu, counted), host_available(cfg)
     if host_fits(host["machine"], available):
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     offload = f", of which offload {gib(host['offload'])}" if host["offload"] else ""
-    fixes = [f"{advice} ({gib(need)})" for advice, need in host_memory_fixes(cfg, on_gpu, available)]
+    fixes = [f"{advice} ({gib(need)})" for advice, need in host_memory_fixes(cfg, on_gpu, available, counted)]
     margin = f"{100 * accounting.HOST_PLAN_MARGIN:.0f}%"
     raise ConfigError(
         f"this run needs about {gib(host['machine'])} of host memory and {gib(available)} is available (the plan keeps "
@@ -573,7 +574,7 @@ HOST_LEVERS = (("--grad-checkpointing", {"grad_checkpointing": True}),
                                                                          "nvme_path": "DIR"}))
 
 
-def host_memory_fixes(cfg: Config, on_gpu: bool, available: float) -> list[tuple[str, float]]:
+def host_memory_fixes(cfg: Config, on_gpu: bool, available: float, counted: tuple[int, str]) -> list[tuple[str, float]]:
     """(flags to add, host bytes then) for each setting, or setting with the cheaper ones before it, that makes the
     run fit; a lever already in use is never advised, nor one the run's other settings refuse."""
     fixes, chosen = [], []  # chosen: the levers tried so far, a later one replacing any that sets the same thing
@@ -585,7 +586,7 @@ def host_memory_fixes(cfg: Config, on_gpu: bool, available: float) -> list[tuple
             other = dataclasses.replace(cfg, **{k: v for _, c in levers for k, v in c.items()})
             if other.optimizer == "sgd" and other.strategy.endswith("_offload"):
                 continue  # ZeRO-Offload steps with DeepSpeed's CPU Adam only (validate refuses sgd there)
-            need, text = host_plan(other, on_gpu)["machine"], " ".join(a for a, _ in levers)
+            need, text = host_plan(other, on_gpu, counted)["machine"], " ".join(a for a, _ in levers)
             if host_fits(need, available) and text not in (f for f, _ in fixes):
                 fixes.append((text, need))
     return fixes
@@ -632,8 +633,13 @@ def main(argv=None):
 
 def reached_its_end(record: dict, cfg: Config) -> bool:
     """An earlier run's record reached the step this command would stop at (--steps, else all of --num-samples)."""
+    return record.get("steps", 0) >= schedule_steps(cfg)[1]
+
+
+def schedule_steps(cfg: Config) -> tuple[int, int]:
+    """(optimizer steps the schedule spans: all of num_samples, the step this command stops at: --steps or all)."""
     total = cfg.num_samples // samples_per_step(cfg)
-    return record.get("steps", 0) >= (min(total, cfg.steps) if cfg.steps else total)
+    return total, min(total, cfg.steps) if cfg.steps else total
 
 
 def plan_only(cfg: Config) -> dict:
@@ -705,8 +711,7 @@ def run(cfg: Config) -> dict:
     micro = cfg.micro_batch_size
     loader = fabric.setup_dataloaders(DataLoader(make_dataset(cfg), batch_size=micro, shuffle=False))
     # The schedule spans all of num_samples; --steps only ends the run early (it can be resumed further).
-    total_steps = cfg.num_samples // samples_per_step(cfg)
-    stop_at = min(total_steps, cfg.steps) if cfg.steps else total_steps
+    total_steps, stop_at = schedule_steps(cfg)
     take_step = step_deepspeed if is_deepspeed(cfg.strategy) else step_data_parallel
     if cfg.strategy == "pp":
         # the stage itself, not Fabric's wrapper: the schedule runs backward through autograd.grad, which

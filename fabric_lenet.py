@@ -436,7 +436,7 @@ def validate(cfg: Config) -> None:
     if cfg.batch_size % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
                           f"{world} processes; use a multiple of {world}")
-    check_launcher(cfg.num_nodes, cfg.devices, "fabric_lenet.py", cfg.node_timeout)
+    check_launcher(cfg.num_nodes, cfg.devices, "fabric_lenet.py")
     gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
     if cfg.strategy == "dp" and not gpu:
         raise ConfigError("--strategy dp splits batches across GPUs in one process and needs CUDA; "

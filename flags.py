@@ -131,7 +131,7 @@ class OutFile(Check):
 
 
 class RunName(Check):
-    allows = "a plain folder name (no '/'), or nothing for the default"
+    allows = "a plain folder name (no '/': give the parent folder as --out-dir), or nothing for the default"
     metavar = "NAME"
 
     def ok(self, text: str) -> bool:

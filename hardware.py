@@ -56,7 +56,6 @@ def uses_gpu(accelerator: str) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-
 def _cpuinfo(field: str) -> str | None:
     """The first value of a /proc/cpuinfo field (Linux), else None."""
     try:

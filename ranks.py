@@ -71,12 +71,10 @@ def started_by_fabric(environ=None) -> bool:
     return env.get("LOCAL_RANK", "0") != "0" and launcher(env) not in (TORCHRUN, SRUN)
 
 
-def check_launcher(num_nodes: int, devices: int, script: str, node_timeout: float = 60.0) -> None:
+def check_launcher(num_nodes: int, devices: int, script: str) -> None:
     """--num-nodes above 1 needs every node started, by a launcher (torchrun, srun) or by hand with the address of
     node 0 (MASTER_ADDR, MASTER_PORT, NODE_RANK, as Fabric reads them). Started alone, a process would wait for the
     other nodes for the process group's 30 minutes without a word: refused at once, with the commands."""
-    if not node_timeout > 0:
-        raise ConfigError(f"--node-timeout must be a positive number of seconds, got {node_timeout}")
     if num_nodes > 1 and launcher() == FABRIC:
         raise ConfigError(
             f"--num-nodes {num_nodes}: no launcher started this process, so nothing would start the other nodes and it "

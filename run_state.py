@@ -611,9 +611,6 @@ def run_main(cfg, kind: str, validate, run, errors: tuple = (), finished=lambda 
     PeerWatch.current = None
     try:
         take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else argv)
-        if cfg.run_name and (Path(cfg.run_name).name != cfg.run_name or cfg.run_name in (".", "..")):
-            raise ConfigError(f"--run-name {cfg.run_name!r} is a path; it names one folder under --out-dir "
-                              f"({cfg.out_dir}). Give the parent folder as --out-dir and a plain name as --run-name")
         validate(cfg)
         auto = cfg.resume == "auto" and not getattr(cfg, "plan", False)
         if auto and (done := resume_or_start(cfg, kind, finished)) is not None:
