@@ -45,8 +45,31 @@ template <typename T>
 struct Consts {
   const Vectorized<T> half{T(0.5)}, one{T(1)}, three_k{T(3 * 0.044715)}, k{T(0.044715)};
   const Vectorized<T> rsqrt2{T(M_SQRT1_2)}, rsqrt2pi{T(0.5 * M_2_SQRTPI * M_SQRT1_2)};
-  const Vectorized<T> sqrt2_over_pi{T(M_SQRT2 * M_2_SQRTPI * 0.5)}, minus_half{T(-0.5)};
+  const Vectorized<T> sqrt2_over_pi{T(M_SQRT2 * M_2_SQRTPI * 0.5)};
 };
+
+// erf of float32 registers, inline. ATen's Vectorized<float>::erf (Abramowitz-Stegun 7.1.26, 1.5e-7) calls Sleef's
+// exp through its dispatcher for every register; every SIMD register is caller-saved across a call, so the four
+// registers of vector_loop are spilled to the stack around it. With AVX2's 16 registers that made the exact form
+// 1.26-1.32x F.gelu; AVX-512's 32 hid it. The same polynomial with ATen's inline exp_u20 (its softmax's exp) keeps the
+// loop in registers, and hands back exp(-z^2), which the backward needs again for the density (ATen computes it twice).
+// float64 keeps erf() and exp() for gradcheck's 1e-9.
+template <typename T>
+inline Vectorized<T> erf_vec(const Vectorized<T>& z, Vectorized<T>* gauss = nullptr) {
+  if constexpr (std::is_same_v<T, float>) {
+    const Vectorized<float> one(1.f), p(0.3275911f), p1(0.254829592f), p2(-0.284496736f), p3(1.421413741f),
+        p4(-1.453152027f), p5(1.061405429f), zero(0.f);
+    const auto t = one / at::vec::fmadd(p, z.abs(), one);
+    const auto r = at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(p5, t, p4), t, p3), t, p2), t, p1);
+    const auto e = (zero - z * z).exp_u20();
+    if (gauss) *gauss = e;
+    const auto y = one - r * t * e;
+    return Vectorized<float>::blendv(y, zero - y, z < zero);
+  } else {
+    if (gauss) *gauss = (Vectorized<T>(T(0)) - z * z).exp();
+    return z.erf();
+  }
+}
 
 template <typename T>
 inline Vectorized<T> forward_vec(const Vectorized<T>& x, bool tanh_approx, const Consts<T>& c) {
@@ -54,7 +77,7 @@ inline Vectorized<T> forward_vec(const Vectorized<T>& x, bool tanh_approx, const
     auto u = c.sqrt2_over_pi * (x + c.k * x * x * x);
     return c.half * x * (c.one + u.tanh());
   }
-  return c.half * x * (c.one + (x * c.rsqrt2).erf());
+  return c.half * x * (c.one + erf_vec(x * c.rsqrt2));
 }
 
 template <typename T>
@@ -66,11 +89,11 @@ inline Vectorized<T> backward_vec(const Vectorized<T>& g, const Vectorized<T>& x
     auto du = c.sqrt2_over_pi * (c.one + c.three_k * x2);
     return g * (c.half * (c.one + t) + c.half * x * (c.one - t * t) * du);
   }
-  auto cdf = c.half * (c.one + (x * c.rsqrt2).erf());
-  // exp_u20 (at most 2 ulp, PyTorch's own fast exp for softmax) instead of exp (1 ulp): the backward ran 1.08x
-  // ATen's with exp and 1.03x with it, and its float32 error against float64 fell (7.2e-7 from 9.5e-7 over
-  // 2^20 values of 3 randn); float64 maps it to exp, so gradcheck sees the same kernel
-  auto pdf = c.rsqrt2pi * (c.minus_half * x * x).exp_u20();
+  // erf(x / sqrt 2) and exp(-x^2 / 2) from one exponential (exp_u20 for float32: its float32 error against float64
+  // was no larger than exp's, 7.2e-7 against 9.5e-7 over 2^20 values of 3 randn)
+  Vectorized<T> gauss;
+  auto cdf = c.half * (c.one + erf_vec(x * c.rsqrt2, &gauss));
+  auto pdf = c.rsqrt2pi * gauss;
   return g * (cdf + x * pdf);
 }
 
