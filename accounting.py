@@ -201,6 +201,18 @@ def model_states(cfg, P: int) -> dict:
     return states
 
 
+def held_states_plan(cfg, P: int) -> dict:
+    """The plan of what held_bytes measures: weights, fp32 master weights and optimizer moments one rank holds,
+    wherever they live (the device, or the host under ZeRO-Offload, where the device plan counts none)."""
+    if not is_deepspeed(cfg.strategy):
+        states = model_states(cfg, P)
+        return {k: states[k] for k in ("params", "master", "optimizer")}
+    N, word = cfg.devices * cfg.num_nodes, weight_bytes(cfg)
+    moments = 2 if cfg.optimizer == "adamw" else 0
+    return {"params": word * P / N if zero_stage(cfg.strategy) == 3 else word * P, "master": 4 * P / N,
+            "optimizer": 4 * moments * P / N}
+
+
 def activation_bytes(cfg, attn_implementation: str) -> dict:
     """Bytes saved for backward by one micro-batch, counted from what HF GPT-2 actually saves (listed with
     torch.autograd.graph.saved_tensors_hooks on CPU; tests/test_gpt.py compares the two). Per block and per

@@ -131,7 +131,9 @@ def over_seeds(runs: list) -> dict:
 
 def cpu_label() -> str:
     """The CPU a figure comes from, with the units that decide LeNet-5's speed."""
-    return f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
+    caps = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ]
+    return (f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
+            + (f" under {' '.join(caps)} (an instruction set imitated, not that CPU)" if caps else ""))
 
 
 # ----------------------------------------------------------------------------- GPT
@@ -189,10 +191,12 @@ def device_memory_bytes() -> float:
 
 
 def predict(rows: list, accelerator: str) -> None:
-    """Each row's predicted step time beside the measured one: perf_model for the run's own settings, on CPU
-    with this machine's matmul probe and gloo link measured here (one process, all cores, as the runs share them)."""
-    import perf_model
+    """Each row's predicted step time beside the measured one: perf_model for the run's own settings; on CPU from
+    cpu_probe.py's measurements of this machine (each strategy's fixed cost is a short run of its own, once per
+    machine and settings, cached), on a GPU from its cluster preset."""
+    import cpu_probe
     import fabric_gpt
+    import perf_model
 
     clusters = {}
     for r in rows:
@@ -201,7 +205,10 @@ def predict(rows: list, accelerator: str) -> None:
             continue
         fields = {f.name for f in dataclasses.fields(fabric_gpt.Config)}
         cfg = fabric_gpt.resolve(fabric_gpt.Config(**{k: v for k, v in rec["config"].items() if k in fields}))
-        if accelerator == "cpu":  # this machine measured once per precision: matmul probe and gloo link
+        if accelerator == "cpu":
+            if not clusters:
+                print(f"predicting each row from this machine's measurements (cpu_probe.py; the first time about 15 s "
+                      f"a strategy, then cached in {cpu_probe.cache_file()})", flush=True)
             if cfg.precision not in clusters:
                 clusters[cfg.precision] = perf_model.cluster_named("cpu", cfg.precision)
             cluster = clusters[cfg.precision]
@@ -218,9 +225,13 @@ def write_table(out: Path, args, rows: list) -> None:
         if r["record"] and r["record"]["step_time_s"] is None:
             r["record"], r["error"] = None, f"not timed: {r['record']['steps']} steps, all warm-up"
     singles = {r["precision"]: r["record"]["tokens_per_s"] for r in rows if r["strategy"] == "auto" and r["record"]}
+    on_cpu = args.accelerator == "cpu"
+    memory = "host RSS / host plan GiB per process" if on_cpu else "peak allocated / planned GiB per device"
     lines = [f"Model `{args.model}`, {args.num_samples} samples, global batch {args.micro_batch_size * args.devices}, "
-             f"accelerator {args.accelerator}; speed-up is tokens/s over the single-device run of the same precision.",
-             "", "| strategy | precision | devices | step ms | predicted ms | error | tokens/s | TFLOPS/device | MFU | peak mem GiB | planned GiB | speed-up |",
+             f"accelerator {args.accelerator}{f' ({cpu_label()})' if on_cpu else ''}; speed-up is tokens/s over the "
+             "single-device run of the same precision; each planned figure beside the measured one of the same quantity.",
+             "", f"| strategy | precision | devices | step ms | predicted ms | error | tokens/s | TFLOPS/device | MFU | "
+                 f"model states held / planned MiB | {memory} | speed-up |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rec = r["record"]
@@ -228,18 +239,25 @@ def write_table(out: Path, args, rows: list) -> None:
             why = r["error"] if r["error"].startswith("not timed") else f"failed: {r['error'][:80]}"
             lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {why} | | | | | | | | |")
             continue
-        mem = rec["memory"].get("max_allocated_gb", rec["memory"].get("max_rss_gb"))
         mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "unknown"
         base = singles.get(r["precision"])
         speedup = f"{rec['tokens_per_s'] / base:.2f}x" if base else "n/a"
+        held, planned = model_state_mib(rec)
+        measured_mem, planned_mem = memory_pair(rec, on_cpu)
+        predicted = (f"{1e3 * r['predicted_step_s']:.1f} | {100 * r['prediction_error']:+.0f}%"
+                     if r.get("predicted_step_s") else "n/a | n/a")
         lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {1e3 * rec['step_time_s']:.1f} | "
-                     f"{1e3 * r['predicted_step_s']:.1f} | {100 * r['prediction_error']:+.0f}% | {rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | {mem:.2f} | "
-                     f"{rec['planned_gb']:.3g} | {speedup} |")
-    errors = [abs(r["prediction_error"]) for r in rows if r["record"]]
+                     f"{predicted} | {rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | "
+                     f"{held:.2f} / {planned:.2f} | {measured_mem:.2f} / {planned_mem:.2f} | {speedup} |")
+    peaks = {r["precision"]: r["record"]["peak_flops_source"] for r in rows if r["record"]}
+    lines += ["", "MFU against " + "; ".join(f"{p}: {source}" for p, source in peaks.items()) + "."]
+    errors = [r["prediction_error"] for r in rows if r["record"] and r.get("predicted_step_s")]
     if errors:
-        ratios = [max(1 + e, 1 / (1 + e)) for e in (r["prediction_error"] for r in rows if r["record"])]
-        lines += ["", f"Predicted (perf_model.py, efficiency {_efficiency(args)}) against measured step time: median "
-                      f"absolute error {100 * statistics.median(errors):.0f}%, worst {max(ratios):.2f}x off."]
+        ratios = [max(1 + e, 1 / (1 + e)) for e in errors]
+        how = ("cpu_probe.py's measurements of this machine: each strategy's step on a minimal model, the block and "
+               "head at the run's shape, memory and gloo bandwidth" if on_cpu else "the GPU's cluster preset")
+        lines += ["", f"Predicted (perf_model.py from {how}) against measured step time: median absolute error "
+                      f"{100 * statistics.median(abs(e) for e in errors):.0f}%, worst {max(ratios):.2f}x off."]
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
@@ -247,10 +265,17 @@ def write_table(out: Path, args, rows: list) -> None:
     print(f"wrote {out}/table.md and bench.json")
 
 
-def _efficiency(args) -> str:
-    import perf_model
+def model_state_mib(rec: dict) -> tuple[float, float]:
+    """(weights, master weights and optimizer states one rank held after its first step, the plan of the same)."""
+    return sum(rec["held_bytes"].values()) / 2**20, sum(rec["held_bytes_planned"].values()) / 2**20
 
-    return f"{perf_model.CPU_EFFICIENCY} of the machine's matmul probe" if args.accelerator == "cpu" else "of the preset"
+
+def memory_pair(rec: dict, on_cpu: bool) -> tuple[float, float]:
+    """(measured, planned) GiB of the same quantity: a CPU process's peak RSS and the host plan per process; a
+    GPU's peak allocated bytes and the device plan."""
+    if on_cpu:
+        return rec["memory"]["max_rss_gb"], rec["host_plan"]["per_process"] / 2**30
+    return rec["memory"]["max_allocated_gb"], rec["planned_gb"]
 
 
 def build_parser() -> argparse.ArgumentParser:

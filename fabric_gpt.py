@@ -25,6 +25,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import accounting
+import cpu_probe
 import flags
 import hf_export
 import perf_model
@@ -90,8 +91,8 @@ class Config:
     grad_checkpointing: bool = opt(False, "recompute activations in backward: less memory, ~1/3 more compute")
     compile: bool = opt(False, "torch.compile the model")
     plan: bool = opt(False, "print the memory and time plan and exit without training", group="planning")
-    cluster: str = opt("", "plan for a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie, h100-sxm-eth or cpu (measured "
-                       "here); default: this GPU's, else a100-sxm-80g", ("", *perf_model.CLUSTERS, "cpu"))
+    cluster: str = opt("", "plan for a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie, h100-sxm-eth or cpu (here); "
+                       "default: cpu on a CPU run, else the GPU's", ("", *perf_model.CLUSTERS, "cpu"))
     tokens: float = opt(0.0, "with --plan: tokens to train on, for the days and device-hours (e.g. 15e12)", min=0)
     plan_json: str = opt("", "with --plan: also write the plan as JSON to this path", check=flags.OutFile(optional=True))
     search: bool = opt(False, "rank every strategy x tp x pp x micro-batch x checkpointing x offload that fits")
@@ -294,6 +295,9 @@ def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[
 
 
 # ----------------------------------------------------------------------------- training
+STEADY_STEP = 2  # steps a process takes before its traffic repeats: DDP rebuilds its buckets in its second
+
+
 def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, flops: dict, take_step) -> dict:
     """Optimizer steps of `grad_accum` micro-batches each, from progress.step to `stop_at`."""
     fabric, cfg = run.fabric, run.cfg
@@ -306,9 +310,10 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             group["lr"] = lr_at(progress.step, cfg, total_steps)
         micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
         sync(fabric.device)
-        # the first step after warm-up (or the last one) is counted, and not timed: the counter slows it
+        # a steady step is counted (the first after warm-up, and not before this process's third: DDP rebuilds its
+        # buckets in its second), else the last one; not timed, as the counter slows it
         counter = CommCounter() if cfg.count_comms and comms is None and (
-            steps_here == cfg.timing_warmup or progress.step + 1 == stop_at) else None
+            steps_here == max(cfg.timing_warmup, STEADY_STEP) or progress.step + 1 == stop_at) else None
         t0 = time.perf_counter()
         io_before = disk_io() if cfg.nvme_path else None
         with counter or nullcontext():
@@ -321,7 +326,11 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
         progress.train_time_s += step_time
         steps_here += 1
         if counter:
-            comms = {"step": progress.step, "table": counter.table()}
+            steady = steps_here > STEADY_STEP
+            comms = {"step": progress.step, "table": counter.table(), "steady": steady,
+                     "why": f"this process's step {steps_here}: " + (
+                         "the first after warm-up and set-up" if steady else "its last; the run ends before a steady "
+                         "step, so one-time set-up traffic (DDP's bucket rebuild) may be in it")}
         elif steps_here > cfg.timing_warmup:  # this process's own first steps are the cold ones
             timed_time, timed_steps = timed_time + step_time, timed_steps + 1
         step = progress.step
@@ -426,8 +435,9 @@ def print_summary(fabric: Fabric, r: dict) -> None:
 
 
 def plan_cluster(cfg: Config) -> "perf_model.Cluster":
-    """--cluster, else the visible GPU's node type, else the course's node; --device-memory-gb overrides memory."""
-    name = cfg.cluster
+    """--cluster, else this CPU under --accelerator cpu, else the visible GPU's node type, else the course's node;
+    --device-memory-gb overrides memory."""
+    name = cfg.cluster or ("cpu" if cfg.accelerator == "cpu" else "")
     if not name and torch.cuda.is_available():
         name = perf_model.cluster_of_gpu(torch.cuda.get_device_name(0)) or perf_model.DEFAULT_GPU_CLUSTER
     cluster = perf_model.cluster_named(name or perf_model.DEFAULT_GPU_CLUSTER, cfg.precision)
@@ -457,6 +467,16 @@ def print_plan(cfg: Config, plan: dict) -> None:
 
 def print_time_plan(cfg: Config, t: dict) -> None:
     ms = lambda s: f"{1e3 * s:10.2f} ms"  # noqa: E731
+    if t["cpu_step"]:  # this CPU, from its measurements (cpu_probe.py)
+        c = t["cpu_step"]
+        print(f"time plan on this CPU ({cpu_name()}), {cfg.devices} process(es) of {c['threads_per_rank']} "
+              f"thread(s), from its measurements (cpu_probe.py, cached in {cpu_probe.cache_file()}):")
+        for key, label in (("fixed_s", "fixed (minimal model)"), ("work_s", "work of this shape"),
+                           ("optimizer_s", "optimizer sweep"), ("link_s", "bytes on the gloo link"), ("nvme_s", "NVMe")):
+            print(f"  {label:<26}{ms(c[key])}")
+        print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}% of "
+              f"{t['peak_flops'] / 1e9:.0f} GFLOP/s (the matmul probe)")
+        return
     print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): peak "
           f"{t['peak_flops'] / 1e12:.1f} TFLOPS x efficiency {t['efficiency']:.2f} (an input, --cluster's)")
     print(f"  {'compute':<26}{ms(t['compute_s'])}")
@@ -738,6 +758,7 @@ def run(cfg: Config) -> dict:
                               for k, v in setup_peak.items()}
     record["held_bytes"] = {k: float(fabric.all_reduce(torch.tensor(float(v), device=fabric.device), reduce_op="max"))
                             for k, v in accounting.held_bytes(strategies.local_module(model, cfg.strategy), optimizer).items()}
+    record["held_bytes_planned"] = accounting.held_states_plan(cfg, n_params)
     if cfg.count_comms:
         record.update(comm_record(cfg, result["comms"], n_params))
     record["predicted"] = predicted_step(cfg, record, n_params)
@@ -762,14 +783,16 @@ def announce_duration(fabric: Fabric, cfg: Config, n_params: int, peak: tuple, s
     waits on a silent step. On a CPU the plan counts compute at the measured peak (communication would add)."""
     if fabric.device.type == "cuda":
         cluster = perf_model.CLUSTERS.get(perf_model.cluster_of_gpu(torch.cuda.get_device_name(fabric.device)) or "")
-    else:
-        cluster = perf_model.cpu_cluster(cfg.precision, peak[0]) if peak[0] else None
+    else:  # this CPU's measurements when a --plan made them (cached), else compute alone: a lower bound
+        cluster = perf_model.cpu_cluster(cfg.precision, peak[0], probe="cached") if peak[0] else None
     if cluster is None or steps <= 0:
         return
-    seconds = perf_model.time_plan(cfg, cluster, n_params)["step_time_s"] * steps
+    plan = perf_model.time_plan(cfg, cluster, n_params)
+    seconds = plan["step_time_s"] * steps
     if seconds > 60:
+        lower_bound = cluster.name == "cpu" and not plan["cpu_step"]
         fabric.print(f"planned: about {duration(seconds)} for {steps} step{'s' * (steps > 1)} (perf_model.py on "
-                     f"{cluster.device}{', at least' if cluster.name == 'cpu' else ''}); Ctrl-C stops cleanly at the end of "
+                     f"{cluster.device}{', at least' if lower_bound else ''}); Ctrl-C stops cleanly at the end of "
                      "a step with a checkpoint, and --resume auto continues", flush=True)
 
 
@@ -802,7 +825,7 @@ def comm_record(cfg: Config, comms: dict | None, n_params: int) -> dict:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         tables = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(tables, comms)
-    return {"comm_counted_step": comms["step"] if comms else None,
+    return {"comm_counted_step": comms["step"] if comms else None, "comm_counted_why": comms["why"] if comms else None,
             "comm_counted": tables[0]["table"] if tables[0] else [],
             "comm_counted_by_rank": [t["table"] if t else [] for t in tables],
             "comm_planned": perf_model.comm_table(cfg)}

@@ -8,10 +8,7 @@ Times follow from them: a collective over n ranks moving B bytes per rank costs 
 bandwidth times the ring algorithm's factor (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n).
 """
 
-import functools
 import math
-import statistics
-import time
 from dataclasses import dataclass, replace
 
 import accounting
@@ -40,6 +37,7 @@ class Cluster:
     overlap: bool = True  # communication on its own engine (NCCL on a GPU); CPU cores do both in turn
     shared_cores: bool = False  # CPU processes share one machine's cores: peak_flops is the machine's, and a rank
     # that waits (a pipeline stage in its bubble) leaves its cores to the others
+    probe: str = ""  # CPU: "measure" or "cached", the step from cpu_probe's measurements (cpu_step)
     source: str = ""
 
 
@@ -91,14 +89,18 @@ def cluster_named(name: str, precision: str = "32-true") -> Cluster:
 
 
 def measured_cpu_cluster(precision: str) -> Cluster:
-    """This machine, measured now: the matmul probe for the peak, gloo all-reduces between 2 processes for
-    the link. A CPU's cores compute and move bytes in turn, so nothing overlaps."""
-    return cpu_cluster(precision, accounting.measured_cpu_matmul_flops(precision), measure_gloo_link())
+    """This machine, measured (cpu_probe.py, cached): the matmul probe for the peak that MFU is against, the gloo
+    link, and the step itself from the strategy's fixed cost and the work of the run's shape (cpu_step)."""
+    import cpu_probe
+
+    return cpu_cluster(precision, accounting.measured_cpu_matmul_flops(precision), cpu_probe.gloo_link(), probe="measure")
 
 
-def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None) -> Cluster:
+def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None, probe: str = "") -> Cluster:
     """This machine with a measured matmul peak and, when given, a measured (latency s, bandwidth B/s) link;
-    without one, communication is planned as free (a lower bound of the step)."""
+    without one, communication is planned as free (a lower bound of the step). probe "measure" or "cached": the
+    step from cpu_step (measured now when not cached, or only when cached); "": compute at CPU_EFFICIENCY of the
+    peak, a lower bound."""
     import psutil
 
     latency, bandwidth = link or (0.0, math.inf)
@@ -108,55 +110,49 @@ def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = 
     return Cluster("cpu", "this CPU (measured)", {kind: peak}, psutil.virtual_memory().total, 64,
                    intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth, inter_latency=latency,
                    pcie_bw=math.inf, nvme_bw=2 * GB, host_adam_params_per_s=2e8, efficiency=CPU_EFFICIENCY,
-                   overlap=False, shared_cores=True,
+                   overlap=False, shared_cores=True, probe=probe,
                    source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), {measured_link}")
 
 
-# The share of the matmul probe a GPT-2 step reaches on CPU (elementwise ops, attention, the optimizer):
-# measured with make bench-gpt, see docs/plan.md
+# Without the step measurements (a candidate of --search, a run's own first estimate): the share of the matmul
+# probe a large model's step reaches on CPU, used as a lower bound of the step
 CPU_EFFICIENCY = 0.5
 
 
-@functools.cache
-def measure_gloo_link(sizes=(1, 1 << 22)) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of an all-reduce between 2 local processes over gloo: the time of a
-    4-byte call, and the slope between it and a 16 MiB one, divided by the ring's 2(n-1)/n = 1."""
-    import torch.multiprocessing as mp
+def cpu_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool) -> dict | None:
+    """One optimizer step on this CPU from cpu_probe's measurements, or None when they are not cached and may not
+    be measured: the strategy's fixed cost (its step on the minimal model), plus the work that grows with the model
+    (block and head at the run's shape less the minimal one's, per micro-batch, split as the strategy splits the
+    layers), plus the optimizer's sweep over this rank's states at memory bandwidth, plus the bytes on the link."""
+    import cpu_probe
 
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_gloo_probe, args=(2, sizes, queue, _free_port()), nprocs=2, start_method="spawn")
-    small, large = queue.get()
-    return small, (sizes[1] - sizes[0]) * 4 / max(large - small, 1e-9)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_probe(rank, world, sizes, queue, port):
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    times = []
-    for n in sizes:
-        t = torch.ones(n)
-        for _ in range(3):
-            dist.all_reduce(t)
-        samples = []
-        for _ in range(10):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
-    if rank == 0:
-        queue.put(times)
-    dist.destroy_process_group()
+    n, ds, heads = cpu_probe.rank_threads(cfg.devices), is_deepspeed(cfg.strategy), cpu_probe.minimal_heads(cfg)
+    minimal = replace(cfg, n_embd=cpu_probe.MINIMAL["n_embd_per_head"] * heads, n_head=heads,
+                      seq_len=cpu_probe.MINIMAL["seq_len"], vocab_size=cpu_probe.MINIMAL["vocab_size"])
+    fixed = cpu_probe.fixed_step(cfg, allow_measure)
+    big = fixed and cpu_probe.block_and_head(accounting.gpt2_config(cfg), cfg.micro_batch_size, cfg.precision, ds, n,
+                                             allow_measure)
+    small = big and cpu_probe.block_and_head(accounting.gpt2_config(minimal), cpu_probe.MINIMAL["micro_batch_size"],
+                                             cfg.precision, ds, n, allow_measure)
+    bandwidth = small and cpu_probe.memory_bandwidth(n, allow_measure)
+    if not bandwidth:
+        return None
+    block = max(big["block_s"] - small["block_s"], 0.0) * (4 / 3 if cfg.grad_checkpointing else 1)  # + a forward
+    head = max(big["head_s"] - small["head_s"], 0.0)
+    L, t, p, m = cfg.n_layer, tp_size(cfg), pp_size(cfg), cfg.grad_accum
+    if cfg.strategy == "pp":  # every stage at its own cores: the busiest stage takes each of the m micro-batches,
+        # the others each one on the way in or out (fill and drain); (m + p - 1) slots when the stages are equal
+        stages = [(L // p + (i < L % p)) * block + (head if i == p - 1 else 0) for i in range(p)]
+        work = m * max(stages) + sum(stages) - max(stages)
+    else:
+        work = m * (L * block / t + head)
+    states = n_params if cfg.strategy in ("auto", "ddp") else n_params / (cfg.devices * cfg.num_nodes)
+    optimizer = states * (28 if cfg.optimizer == "adamw" else 12) / bandwidth  # read p g m v, write p m v
+    comm = sum(ALGORITHM.get(r["kind"], lambda k: (1, 1))(r["group_size"])[0] * r["bytes"] * r["count"]
+               for r in comm_table(cfg)) / cluster.intra_bw  # the calls' latency is in the fixed cost
+    nvme = offload_time(cfg, cluster, n_params)[1].get("nvme_s", 0.0)
+    return {"fixed_s": fixed, "work_s": work, "optimizer_s": optimizer, "link_s": comm, "nvme_s": nvme,
+            "step_time_s": fixed + work + optimizer + comm + nvme, "threads_per_rank": n}
 
 
 # ----------------------------------------------------------------------------- the transfers of one step
@@ -267,7 +263,6 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
     w, m, stage = words(cfg), cfg.grad_accum, zero_stage(cfg.strategy)
     sizes = [numel(s) for _, s in params]
     rows = []
-    clip = 1 if cfg.grad_clip else 0
     zero = deepspeed_config(cfg)["zero_optimization"]
     bucket = zero["reduce_bucket_size"]
     if stage in (1, 2):
@@ -276,7 +271,9 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
         for group in optimizer_groups(cfg, params):
             padded = -(-group // (2 * dp)) * 2 * dp
             rows.append(row("all_gather", dp, padded // dp * w["param"], 1, link, "none"))
-        rows.append(row("all_reduce", dp, 4, 1 + clip, link, "none"))  # the gradient norm (and clipping's)
+        # the gradient norm, one all-reduce per parameter group whether or not it clips (DeepSpeed 0.19 computes
+        # it for every step: compute_grad_norm)
+        rows.append(row("all_reduce", dp, 4, len(optimizer_groups(cfg, params)), link, "none"))
     else:
         threshold = zero.get("stage3_param_persistence_threshold", 1e5)
         for b in buckets(sizes, bucket):
@@ -435,6 +432,9 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
         exposed = comm_s
     offload, offload_parts = offload_time(cfg, cluster, n_params)
     step = compute + bubble + exposed + offload
+    measured = cpu_step(cfg, cluster, n_params, cluster.probe == "measure") if cluster.probe else None
+    if measured:
+        step = measured["step_time_s"]
     dp = data_parallel_size(cfg)
     tokens_per_step = cfg.micro_batch_size * m * dp * cfg.seq_len
     tokens_s = tokens_per_step / step
@@ -443,8 +443,8 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     out = {"cluster": cluster.name, "device": cluster.device, "peak_flops": peak, "efficiency": cluster.efficiency,
            "step_time_s": step, "compute_s": compute, "comm_s": comm_s, "comm_exposed_s": exposed, "bubble_s": bubble,
            "offload_s": offload, "offload": offload_parts, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_s,
-           "mfu": model_flops * tokens_s / (world * peak), "comm": comm,
-           "comm_bytes": sum(r["bytes"] * r["count"] for r in comm)}
+           "mfu": model_flops * tokens_s / ((1 if cluster.shared_cores else world) * peak), "comm": comm,
+           "comm_bytes": sum(r["bytes"] * r["count"] for r in comm), "cpu_step": measured}
     if tokens:
         out.update(tokens=tokens, train_days=tokens / tokens_s / 86400, device_hours=tokens / tokens_s / 3600 * world)
     return out
@@ -531,6 +531,8 @@ def search(cfg, cluster: Cluster) -> list[dict]:
     world = cfg.devices * cfg.num_nodes
     global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
     n_params, attn = accounting.count_parameters(cfg)
+    if cluster.probe:  # measuring every candidate's fixed cost would run each: what is cached, else the lower bound
+        cluster = replace(cluster, probe="cached")
     rows, smallest = [], None
     for c in candidates(cfg, cluster, global_batch):
         if c.precision == "16-mixed" and c.strategy in ("fsdp", "tp", "fsdp_tp", "pp"):

@@ -224,13 +224,12 @@ def strategy_figure(rows: list):
     singles = {p: by[("auto", p)]["tokens_per_s"] for p in precisions if ("auto", p) in by}
     has_mfu = all(r["record"]["mfu"] is not None for r in rows)
     held = lambda r: sum(r.get("held_bytes", {}).values()) / 2**20  # noqa: E731
-    # the keys held_bytes measures (gradients come and go within a step); offload rows hold theirs on the CPU,
-    # where the plan of device memory counts none
-    planned = lambda r: sum(r["plan_gb"].get(k, 0) for k in ("params", "optimizer", "master")) * 1024  # noqa: E731
+    # the plan of the same bytes (gradients come and go within a step), wherever they live (offload: the host)
+    planned = lambda r: sum(r.get("held_bytes_planned", {}).values()) / 2**20  # noqa: E731
     panels = [("throughput", "tokens/s", lambda r: r["tokens_per_s"]),
               ("model FLOPs utilization" if has_mfu else "achieved TFLOPS per device (MFU: peak unknown)",
                "MFU (%)" if has_mfu else "TFLOPS", (lambda r: 100 * r["mfu"]) if has_mfu else (lambda r: r["tflops_per_device"])),
-              ("weights + optimizer states per rank: held (solid) vs planned on the device (hatched)", "MiB", None),
+              ("weights + optimizer states per rank: held (solid) vs planned (hatched)", "MiB", None),
               ("speed-up over one device, same precision", "x one device",
                lambda r: r["tokens_per_s"] / singles[r["precision"]] if r["precision"] in singles else float("nan"))]
     height = 0.8 / len(precisions)

@@ -151,6 +151,23 @@ def test_counted_traffic_equals_the_plan(two_process, offload_run, name):
         assert comm_counter.bytes_by_kind(table) == comm_counter.bytes_by_kind(rec["comm_planned"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,args", [
+    ("ddp", ["--timing-warmup", "1", "--optimizer", "sgd"]),  # step 2 rebuilds DDP's buckets: not the one counted
+    ("deepspeed_stage_2", ["--timing-warmup", "2", "--optimizer", "sgd", "--grad-clip", "1", "--grad-accum", "2"]),
+])
+def test_a_steady_step_is_counted_whatever_the_warm_up(tmp_path, strategy, args):
+    """The counted step is one whose traffic repeats (no set-up broadcast), and SGD with clipping under ZeRO-2
+    all-reduces its one parameter group's norm once, as planned."""
+    run_gpt(tmp_path, "c", "--model", "tiny", "--n-embd", "96", "--n-head", "4", "--n-layer", "3", "--seq-len", "48",
+            "--vocab-size", "384", "--devices", "2", "--steps", "4", "--strategy", strategy, "--micro-batch-size", "2",
+            "--num-samples", "96", "--count-comms", *args)
+    rec = record(tmp_path, "c")
+    assert rec["comm_counted_step"] == 3 and "the first after warm-up" in rec["comm_counted_why"]
+    assert "broadcast" not in {r["kind"] for r in rec["comm_counted"]}
+    assert comm_rows(rec["comm_counted"]) == comm_rows(rec["comm_planned"])
+
+
 @pytest.fixture(scope="module")
 def offload_run(tmp_path_factory):
     """Uninterrupted 2-process ZeRO-Offload runs, each made once: compared with one process, and the ZeRO-3 one
@@ -533,6 +550,8 @@ def test_planned_model_states_match_the_bytes_each_rank_holds(two_process):
         plan = accounting.memory_plan(cfg, n, attn)
         for key in ("params", "master"):  # ZeRO-3 shards the weights; ZeRO adds an fp32 master partition
             assert rec["held_bytes"][key] == pytest.approx(plan[key], rel=tolerance, abs=1), (name, key)
+        for key, held in rec["held_bytes"].items():  # the record's own plan of the same bytes, as the report shows it
+            assert held == pytest.approx(rec["held_bytes_planned"][key], rel=tolerance, abs=1), (name, key)
         # SGD without momentum keeps no state, and the plan says so (AdamW's m and v would be 2x params)
         assert rec["held_bytes"]["optimizer"] == plan["optimizer"] == 0
 

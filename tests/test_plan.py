@@ -9,6 +9,7 @@ import pytest
 
 from conftest import run_in_process
 import accounting
+import cpu_probe
 import fabric_gpt as gpt
 import perf_model
 
@@ -125,3 +126,62 @@ def test_a_gpu_run_records_its_predicted_step_beside_the_measured():
     assert got["step_time_s"] == perf_model.time_plan(cfg, perf_model.CLUSTERS["h100-sxm"], n)["step_time_s"]
     assert gpt.predicted_step(cfg, {"device": "cpu", "device_name": "AMD EPYC"}, n) is None
     assert gpt.predicted_step(cfg, {"device": "cuda", "device_name": "Tesla T4"}, n) is None
+
+
+# ----------------------------------------------------------------------------- this CPU, measured (cpu_probe.py)
+def test_cpu_measurements_are_cached_per_machine_and_instruction_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    calls = []
+    measure = lambda: calls.append(1) or 0.5  # noqa: E731
+    assert cpu_probe.cached("x", {"n": 1}, measure) == 0.5 and cpu_probe.cached("x", {"n": 1}, measure) == 0.5
+    assert len(calls) == 1 and (tmp_path / "cpu-probe.json").exists()
+    assert cpu_probe.cached("x", {"n": 2}, measure, allow_measure=False) is None and len(calls) == 1
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # another instruction set is another machine
+    assert cpu_probe.cached("x", {"n": 1}, measure) == 0.5 and len(calls) == 2
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "pp", "fsdp_tp", "deepspeed_stage_1",
+                                      "deepspeed_stage_3_offload"])
+def test_the_minimal_job_keeps_the_runs_strategy_and_is_accepted(strategy):
+    """The fixed cost is measured on the same strategy, processes, layers and micro-batches, and the script's own
+    parser and checks accept the minimal job for every strategy."""
+    devices = 1 if strategy == "auto" else 4 if strategy == "fsdp_tp" else 2
+    cfg = gpt.resolve(gpt.Config(strategy=strategy, devices=devices, n_layer=3, grad_accum=2, optimizer="sgd",
+                                 tp_size=2 if strategy == "fsdp_tp" else 0, accelerator="cpu"))
+    argv = cpu_probe.minimal_flags(cfg, cpu_probe.minimal_heads(cfg))
+    minimal = gpt.parse_args(argv)
+    for field in ("strategy", "devices", "n_layer", "grad_accum", "optimizer", "precision", "tp_size"):
+        assert getattr(minimal, field) == getattr(cfg, field), field
+    assert (minimal.n_embd, minimal.seq_len, minimal.vocab_size) == (8 * minimal.n_head, 8, 16)
+    gpt.validate_parallel_sizes(minimal)
+    assert minimal.num_samples % gpt.samples_per_step(minimal) == 0
+
+
+def test_a_cpu_plan_is_its_measured_parts_and_speaks_of_this_cpu(tmp_path):
+    """--plan --accelerator cpu plans this CPU (not the A100 preset) from its measurements: the strategy's step on
+    the minimal model run for real, the work of the shape, the optimizer sweep and the link's bytes add up to the
+    step; more tokens per micro-batch is more work; MFU is a share of the matmul probe."""
+    path = tmp_path / "plan.json"
+    args = ["--model", "tiny", "--strategy", "ddp", "--devices", "2", "--accelerator", "cpu", "--plan"]
+    proc = run_in_process("fabric_gpt.py", *args, "--plan-json", path)
+    assert "time plan on this CPU" in proc.stdout and "A100" not in proc.stdout, proc.stdout
+    plan = json.loads(path.read_text())["time"]
+    parts = plan["cpu_step"]
+    assert parts["fixed_s"] > 0 and parts["work_s"] > 0 and parts["optimizer_s"] > 0 and parts["link_s"] > 0
+    assert plan["step_time_s"] == pytest.approx(sum(parts[k] for k in ("fixed_s", "work_s", "optimizer_s", "link_s",
+                                                                        "nvme_s")))
+    assert 0 < plan["mfu"] <= 1
+    cfg = gpt.resolve(gpt.Config(strategy="ddp", devices=2, accelerator="cpu"))
+    cluster = perf_model.cluster_named("cpu", cfg.precision)  # cached now: nothing runs again
+    n = gpt.count_parameters(cfg)[0]
+    again = perf_model.time_plan(cfg, cluster, n)["cpu_step"]
+    assert again["fixed_s"] == parts["fixed_s"]
+    bigger = perf_model.time_plan(dataclasses.replace(cfg, micro_batch_size=16), cluster, n)["cpu_step"]
+    assert bigger["fixed_s"] == parts["fixed_s"] and bigger["work_s"] > again["work_s"]
+    # --search and a run's own estimate measure nothing: what is not cached falls back to the lower bound
+    entries = len(json.loads(cpu_probe.cache_file().read_text()))
+    unplanned = dataclasses.replace(cfg, n_layer=5)
+    assert perf_model.time_plan(unplanned, dataclasses.replace(cluster, probe="cached"), n)["cpu_step"] is None
+    perf_model.search(cfg, cluster)
+    assert len(json.loads(cpu_probe.cache_file().read_text())) == entries

@@ -55,6 +55,10 @@ def test_report_from_real_runs(runs, tmp_path):
         assert f"| {r['impl']} | {r['approximate']} | {r['dtype']} | {r['forward_max_abs_err']:.2e} |" in text
     assert len(check["rows"]) == 8 and "FAILED" not in text and text.count("| passed |") == 8
     assert "bench-gpt-tiny-2xcpu" in text and "| ddp | 32-true | 2 |" in text
+    # like with like: each planned figure beside the measured one of the same quantity; the step predicted from
+    # this machine's measurements
+    assert "model states held / planned MiB | host RSS / host plan GiB per process" in text
+    assert "from cpu_probe.py's measurements of this machine" in text and "median absolute error" in text
     refs = figures(text)
     assert {"lenet_curves.png", "lenet_per_class.png", "lenet_confusion.png", "gpt_strategies.png"} <= set(refs)
     for name in refs:

@@ -1,0 +1,265 @@
+"""What this CPU does, measured on it and cached per machine: the CPU side of the time model (perf_model.py).
+
+A GPT-2 step on a few CPU cores is not its FLOPs over a peak. Small models spend most of a step in per-operation
+and per-collective overheads that depend on the strategy (FSDP's hooks, DTensor's dispatch, DeepSpeed's engine),
+and matmuls at a run's shapes and dtype reach a share of the peak that no constant describes (a bf16 autocast run
+without bf16 instructions). So the step is predicted from three measurements of this machine:
+
+- the strategy's **fixed cost**: a real step of the same strategy, precision, processes, layers and micro-batches on
+  a minimal model (width 8 per head, 8 tokens, 16 words), which holds every per-op, per-hook and per-collective cost;
+- the **work that grows with the model**: one GPT-2 block and the LM head with its loss, forward and backward, at
+  the run's shape, in the dtype the run computes in (autocast's or the weights'), with the threads a rank gets, less
+  the same at the minimal shape;
+- **bandwidths**: host memory (a copy, for the optimizer's sweep over its states) and the gloo link between two
+  processes (latency and bytes/s), for the bytes the strategy moves.
+
+Results live in ~/.cache/fabric-lab/cpu-probe.json (FABRIC_LAB_CACHE moves it), keyed by the CPU, its instruction-set
+caps, torch and the measured settings, under a file lock so that processes started together measure once.
+"""
+
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from hardware import cpu_name, cpu_units
+from run_state import write_json_atomic
+
+MINIMAL = {"n_embd_per_head": 8, "seq_len": 8, "vocab_size": 16, "micro_batch_size": 1}
+FIXED_STEPS, FIXED_WARMUP = 10, 4
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("FABRIC_LAB_CACHE", "~/.cache/fabric-lab")).expanduser() / "cpu-probe.json"
+
+
+def machine_key() -> dict:
+    """What every measurement depends on: the CPU, its instruction-set caps (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA change the kernels as another CPU would) and torch."""
+    caps = {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}
+    return {"cpu": cpu_name(), "units": cpu_units(), "cores": os.cpu_count(), "caps": caps, "torch": torch.__version__}
+
+
+def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
+    """measure()'s result for (this machine, kind, settings): from the cache, else measured and added to it (None
+    when allow_measure is False and nothing is cached)."""
+    path = cache_file()
+    name = json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
+    if not allow_measure:  # a look-up: the file is replaced whole (atomic rename), so no lock is needed, and none is
+        # taken: the minimal job that a measurement runs looks up its own estimate while its parent holds the lock
+        try:
+            return json.loads(path.read_text()).get(name, {}).get("value")
+        except (OSError, ValueError):
+            return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: measure
+            cache = {}
+        if name in cache:
+            return cache[name]["value"]
+        value = measure()
+        write_json_atomic(path, {**cache, name: {"value": value, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}})
+    return value
+
+
+def rank_threads(devices: int) -> int:
+    """The intra-op threads one rank gets: all of them alone, an equal share when Fabric starts several (as
+    Lightning sets them for CPU processes), OMP_NUM_THREADS when set."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or (max(1, (os.cpu_count() or 1) // devices) if devices > 1
+                                                           else torch.get_num_threads())
+
+
+def seconds_per_call(fn, seconds: float = 0.2, windows: int = 3) -> float:
+    """The median of `windows` timings of fn, each at least `seconds` long, after warm-up calls that build the
+    kernels (oneDNN on its first calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(windows):
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / windows or count < 2:
+            fn()
+            count += 1
+        times.append((time.perf_counter() - start) / count)
+    return statistics.median(times)
+
+
+class threads:
+    """Run a measurement with a rank's threads, and give the process its own back."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+# ----------------------------------------------------------------------------- the work of one block and the head
+def compute_dtype(precision: str, deepspeed: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the weights' dtype, autocast's dtype or None) of a run: Fabric's *-mixed autocasts float32 weights;
+    DeepSpeed's bf16/fp16 and *-true keep the weights in the 16-bit type itself."""
+    half = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else None
+    if half is None:
+        return torch.float32, None
+    if precision.endswith("-true") or deepspeed:
+        return half, None
+    return torch.float32, half
+
+
+def block_and_head(gpt2_config, micro_batch: int, precision: str, deepspeed: bool, n_threads: int,
+                   allow_measure: bool = True) -> dict | None:
+    """Seconds of one GPT-2 block's and of the LM head's (with the cross-entropy) forward and backward on one
+    micro-batch, measured here (cached)."""
+    c = gpt2_config
+    settings = {"n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.n_positions, "vocab_size": c.vocab_size,
+                "micro_batch": micro_batch, "precision": precision, "deepspeed": deepspeed, "threads": n_threads,
+                "attention": "as GPT2LMHeadModel picks"}
+    return cached("block", settings, lambda: _measure_block_and_head(c, micro_batch, precision, deepspeed, n_threads),
+                  allow_measure)
+
+
+def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_threads: int) -> dict:
+    from transformers import GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    weights, autocast = compute_dtype(precision, deepspeed)
+    with torch.device("meta"):  # the attention implementation the whole model picks (SDPA), set on its config
+        c = GPT2LMHeadModel(c).config
+    torch.manual_seed(0)
+    with threads(n_threads):
+        block = GPT2Block(c).to(weights)
+        head = torch.nn.Linear(c.n_embd, c.vocab_size, bias=False).to(weights)
+        x = torch.randn(b, c.n_positions, c.n_embd, dtype=weights, requires_grad=True)
+        y = torch.randint(0, c.vocab_size, (b * c.n_positions,))
+
+        def run(fn):
+            def step():
+                with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    out = fn()
+                out.backward()
+            return seconds_per_call(step)
+
+        first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731 (transformers 4 gave tuples)
+        block_s = run(lambda: first(block(x)).float().sum())
+        head_s = run(lambda: torch.nn.functional.cross_entropy(head(x).flatten(0, 1).float(), y))
+    return {"block_s": block_s, "head_s": head_s}
+
+
+# ----------------------------------------------------------------------------- bandwidths
+def memory_bandwidth(n_threads: int, allow_measure: bool = True) -> float | None:
+    """Bytes/s of a 64 MiB copy (read and write) with a rank's threads (cached)."""
+    def measure():
+        with threads(n_threads):
+            a = torch.ones(1 << 24)
+            b = torch.empty_like(a)
+            return 2 * a.numel() * a.element_size() / seconds_per_call(lambda: b.copy_(a), seconds=0.3)
+    return cached("memory", {"threads": n_threads}, measure, allow_measure)
+
+
+def gloo_link() -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of an all-reduce between 2 local processes over gloo (cached)."""
+    return tuple(cached("gloo", {}, lambda: list(_measure_gloo_link())))
+
+
+def _measure_gloo_link(sizes=(1, 1 << 22)) -> tuple[float, float]:
+    """The time of a 4-byte all-reduce, and the slope between it and a 16 MiB one over the ring's 2(n-1)/n = 1."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_gloo_probe, args=(2, sizes, queue, _free_port()), nprocs=2, start_method="spawn")
+    small, large = queue.get()
+    return small, (sizes[1] - sizes[0]) * 4 / max(large - small, 1e-9)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_probe(rank, world, sizes, queue, port):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times = []
+    for n in sizes:
+        t = torch.ones(n)
+        for _ in range(3):
+            dist.all_reduce(t)
+        samples = []
+        for _ in range(10):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    if rank == 0:
+        queue.put(times)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the fixed cost of a strategy's step
+def minimal_flags(cfg, heads: int) -> list[str]:
+    """fabric_gpt.py's flags for the same strategy, precision, processes, layers, micro-batches, optimizer and
+    memory levers as cfg, on the minimal shape."""
+    steps = FIXED_STEPS
+    dp = cfg.devices * cfg.num_nodes // (max(cfg.tp_size, 1) if cfg.strategy == "fsdp_tp" else
+                                         cfg.devices if cfg.strategy in ("tp", "pp") else 1)
+    samples = steps * cfg.grad_accum * max(dp, 1)
+    out = ["--model", "tiny", "--n-embd", MINIMAL["n_embd_per_head"] * heads, "--n-head", heads,
+           "--n-layer", cfg.n_layer, "--seq-len", MINIMAL["seq_len"], "--vocab-size", MINIMAL["vocab_size"],
+           "--micro-batch-size", MINIMAL["micro_batch_size"], "--grad-accum", cfg.grad_accum,
+           "--num-samples", samples, "--steps", steps, "--timing-warmup", FIXED_WARMUP, "--strategy", cfg.strategy,
+           "--precision", cfg.precision, "--devices", cfg.devices, "--accelerator", "cpu", "--optimizer", cfg.optimizer,
+           "--grad-clip", cfg.grad_clip, "--pp-schedule", cfg.pp_schedule, "--tp-size", cfg.tp_size,
+           "--pp-size", cfg.pp_size, "--log-every", steps]
+    if cfg.grad_checkpointing:
+        out.append("--grad-checkpointing")
+    if cfg.compile:
+        out.append("--compile")
+    return [str(v) for v in out]
+
+
+def minimal_heads(cfg) -> int:
+    """Heads of the minimal model: one, or one per tensor-parallel rank."""
+    return max(cfg.tp_size, cfg.devices * cfg.num_nodes if cfg.strategy == "tp" else 1, 1)
+
+
+def fixed_step(cfg, allow_measure: bool = True) -> float | None:
+    """Seconds of one optimizer step of cfg's strategy on the minimal model, run here as its own job (cached).
+    NVMe offload is measured as offload to memory (its drive traffic is a bandwidth term)."""
+    argv = minimal_flags(cfg, minimal_heads(cfg))
+    try:
+        return cached("fixed", {"argv": argv}, lambda: _run_minimal(argv), allow_measure)
+    except RuntimeError as e:  # the plan goes on without it, as a lower bound, and says why
+        print(f"warning: {e}; the CPU time plan is compute alone, a lower bound", file=sys.stderr)
+        return None
+
+
+def _run_minimal(argv: list[str]) -> float:
+    script = Path(__file__).with_name("fabric_gpt.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT", "NODE_RANK", "FABRIC_LAB_LAUNCHER")}
+    with tempfile.TemporaryDirectory(prefix="fixed-cost-") as out:
+        done = subprocess.run([sys.executable, str(script), *argv, "--out-dir", out, "--run-name", "probe"],
+                              env=env, capture_output=True, text=True)
+        if done.returncode:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the fixed-cost probe ({' '.join(argv)}) failed: {tail}")
+        return json.loads((Path(out) / "probe" / "record.json").read_text())["step_time_s"]
