@@ -242,13 +242,12 @@ def write_table(out: Path, args, rows: list) -> None:
         mfu = f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "unknown"
         base = singles.get(r["precision"])
         speedup = f"{rec['tokens_per_s'] / base:.2f}x" if base else "n/a"
-        held, planned = model_state_mib(rec)
         measured_mem, planned_mem = memory_pair(rec, on_cpu)
         predicted = (f"{1e3 * r['predicted_step_s']:.1f} | {100 * r['prediction_error']:+.0f}%"
                      if r.get("predicted_step_s") else "n/a | n/a")
         lines.append(f"| {r['strategy']} | {r['precision']} | {r['devices']} | {1e3 * rec['step_time_s']:.1f} | "
                      f"{predicted} | {rec['tokens_per_s']:,.0f} | {rec['tflops_per_device']:.4f} | {mfu} | "
-                     f"{held:.2f} / {planned:.2f} | {measured_mem:.2f} / {planned_mem:.2f} | {speedup} |")
+                     f"{model_state_mib(rec)} | {measured_mem:.2f} / {planned_mem:.2f} | {speedup} |")
     peaks = {r["precision"]: r["record"]["peak_flops_source"] for r in rows if r["record"]}
     lines += ["", "MFU against " + "; ".join(f"{p}: {source}" for p, source in peaks.items()) + "."]
     errors = [r["prediction_error"] for r in rows if r["record"] and r.get("predicted_step_s")]
@@ -265,9 +264,12 @@ def write_table(out: Path, args, rows: list) -> None:
     print(f"wrote {out}/table.md and bench.json")
 
 
-def model_state_mib(rec: dict) -> tuple[float, float]:
-    """(weights, master weights and optimizer states one rank held after its first step, the plan of the same)."""
-    return sum(rec["held_bytes"].values()) / 2**20, sum(rec["held_bytes_planned"].values()) / 2**20
+def model_state_mib(rec: dict) -> str:
+    """Weights, master weights and optimizer states one rank held after its first step / the plan of the same
+    (n/a for a record written before the plan was recorded, as --keep may reuse)."""
+    if "held_bytes_planned" not in rec:
+        return f"{sum(rec['held_bytes'].values()) / 2**20:.2f} / n/a"
+    return f"{sum(rec['held_bytes'].values()) / 2**20:.2f} / {sum(rec['held_bytes_planned'].values()) / 2**20:.2f}"
 
 
 def memory_pair(rec: dict, on_cpu: bool) -> tuple[float, float]:
