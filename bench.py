@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from hardware import cpu_name, cpu_units
+from hardware import cpu_name, cpu_units, isa_caps
 from run_state import read_record, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
@@ -131,7 +131,7 @@ def over_seeds(runs: list) -> dict:
 
 def cpu_label() -> str:
     """The CPU a figure comes from, with the units that decide LeNet-5's speed."""
-    caps = [f"{v}={os.environ[v]}" for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ]
+    caps = [f"{v}={value}" for v, value in isa_caps().items()]
     return (f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
             + (f" under {' '.join(caps)} (an instruction set imitated, not that CPU)" if caps else ""))
 

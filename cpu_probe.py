@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from hardware import cpu_name, cpu_units
+from hardware import cpu_name, cpu_units, isa_caps
 from run_state import write_json_atomic
 
 MINIMAL = {"n_embd_per_head": 8, "seq_len": 8, "vocab_size": 16, "micro_batch_size": 1}
@@ -44,8 +44,7 @@ def cache_file() -> Path:
 def machine_key() -> dict:
     """What every measurement depends on: the CPU, its instruction-set caps (ATEN_CPU_CAPABILITY,
     ONEDNN_MAX_CPU_ISA change the kernels as another CPU would) and torch."""
-    caps = {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}
-    return {"cpu": cpu_name(), "units": cpu_units(), "cores": os.cpu_count(), "caps": caps, "torch": torch.__version__}
+    return {"cpu": cpu_name(), "units": cpu_units(), "cores": os.cpu_count(), "caps": isa_caps(), "torch": torch.__version__}
 
 
 def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
@@ -59,6 +58,13 @@ def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
             return json.loads(path.read_text()).get(name, {}).get("value")
         except (OSError, ValueError):
             return None
+    entry, _ = stored_or_measured(path, name, lambda: {"value": measure(), "date": f"{datetime.now():%Y-%m-%d %H:%M}"})
+    return entry["value"]
+
+
+def stored_or_measured(path: Path, name: str, measure) -> tuple[dict, bool]:
+    """(the entry under `name` in the JSON file at `path`, True), else (measure()'s entry, added to the file, False).
+    A file lock makes processes started together (a launcher's ranks) measure once and read the same answer."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -67,10 +73,10 @@ def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
         except (OSError, ValueError):  # none yet, or unreadable: measure
             cache = {}
         if name in cache:
-            return cache[name]["value"]
-        value = measure()
-        write_json_atomic(path, {**cache, name: {"value": value, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}})
-    return value
+            return cache[name], True
+        entry = measure()
+        write_json_atomic(path, {**cache, name: entry})
+    return entry, False
 
 
 def rank_threads(devices: int) -> int:

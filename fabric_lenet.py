@@ -9,7 +9,6 @@ Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json an
 """
 
 import ctypes
-import fcntl
 import json
 import math
 import os
@@ -28,14 +27,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+import cpu_probe
 import datasets_local
 import flags
 from flags import ConfigError, opt
 from gelu_ext import GeluBuildError
-from hardware import check_hardware, cpu_name, cpu_units, uses_gpu
+from hardware import check_hardware, cpu_name, cpu_units, isa_caps, uses_gpu
 from ranks import check_launcher, launch
 from run_state import (NonFiniteLoss, Progress, Run, StopRequest, Stopwatch, any_rank, nonfinite_message, progress_bar,
-                       requeue_flag, resume_flag, run_main, write_json_atomic)
+                       requeue_flag, resume_flag, run_main)
 
 ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")
 STRATEGIES = ("auto", "ddp", "dp")
@@ -465,11 +465,8 @@ def probe_key(cfg: Config) -> dict:
     """What the step's speed depends on: the CPU, the libraries, the threads a rank gets, the local batch
     and the memory layout. A change of any of them measures again."""
     world = cfg.devices * cfg.num_nodes
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (max(1, (os.cpu_count() or 1) // cfg.devices)
-                                                            if cfg.devices > 1 else torch.get_num_threads())
-    # instruction-set caps change the kernels as much as another CPU would (AVX2 alone: bf16 8.7x slower)
-    caps = {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}
-    return {"cpu": cpu_name(), "units": cpu_units(), "caps": caps, "torch": torch.__version__, "threads": threads,
+    return {"cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
+            "threads": cpu_probe.rank_threads(cfg.devices),
             "local_batch": cfg.batch_size // world, "channels_last": cfg.channels_last,
             "pad_channels": cfg.pad_channels, "activation": cfg.activation}
 
@@ -517,22 +514,14 @@ def choose_precision(key: dict, cache_file: Path, measure) -> dict:
     """The faster of float32 and bf16 autocast for `key`: from the cache when it holds this key, else
     measured (measure() -> {precision: samples/s}) and added to it. A file lock makes ranks started
     together (torchrun) measure once and read the same answer."""
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    name = json.dumps(key, sort_keys=True)
-    with open(cache_file.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            cache = json.loads(cache_file.read_text())
-        except (OSError, ValueError):  # none yet, or unreadable: measure
-            cache = {}
-        if name in cache:
-            return {**cache[name], "cached": True}
+    def measure_entry() -> dict:
         started = time.perf_counter()
         speeds = measure()
-        entry = {"choice": max(speeds, key=speeds.get), "samples_per_s": speeds, "key": key,
-                 "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
-        write_json_atomic(cache_file, {**cache, name: entry})
-    return {**entry, "cached": False}
+        return {"choice": max(speeds, key=speeds.get), "samples_per_s": speeds, "key": key,
+                "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+
+    entry, cached = cpu_probe.stored_or_measured(cache_file, json.dumps(key, sort_keys=True), measure_entry)
+    return {**entry, "cached": cached}
 
 
 def auto_precision(cfg: Config) -> str:

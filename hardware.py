@@ -76,3 +76,9 @@ def cpu_units() -> list[str]:
     flags = (_cpuinfo("flags") or "").split()
     return [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
                                     ("avx2", "AVX2")) if flag in flags]
+
+
+def isa_caps() -> dict:
+    """The instruction-set caps in force (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): they change the kernels as much as
+    another CPU would (AVX2 alone: bf16 autocast 8.7x slower), so every measurement of this machine is keyed by them."""
+    return {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}

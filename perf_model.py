@@ -148,8 +148,8 @@ def cpu_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool) -> dict 
         work = m * (L * block / t + head)
     states = n_params if cfg.strategy in ("auto", "ddp") else n_params / (cfg.devices * cfg.num_nodes)
     optimizer = states * (28 if cfg.optimizer == "adamw" else 12) / bandwidth  # read p g m v, write p m v
-    comm = sum(ALGORITHM.get(r["kind"], lambda k: (1, 1))(r["group_size"])[0] * r["bytes"] * r["count"]
-               for r in comm_table(cfg)) / cluster.intra_bw  # the calls' latency is in the fixed cost
+    comm = sum(algorithm(r)[0] * r["bytes"] * r["count"] for r in comm_table(cfg)) / cluster.intra_bw  # the calls'
+    # latency is in the fixed cost
     nvme = offload_time(cfg, cluster, n_params)[1].get("nvme_s", 0.0)
     return {"fixed_s": fixed, "work_s": work, "optimizer_s": optimizer, "link_s": comm, "nvme_s": nvme,
             "step_time_s": fixed + work + optimizer + comm + nvme, "threads_per_rank": n}
@@ -358,10 +358,15 @@ ALGORITHM = {  # (bandwidth factor on the bytes one rank hands over, latency hop
 }
 
 
+def algorithm(r: dict) -> tuple[float, int]:
+    """(bandwidth factor, latency hops) of a transfer row's collective over its group."""
+    return ALGORITHM.get(r["kind"], lambda n: (1, 1))(r["group_size"])
+
+
 def transfer_time(r: dict, cluster: Cluster) -> float:
     """Seconds of one row: every call of it, latency and bandwidth of the link it crosses."""
     bw, lat = (cluster.intra_bw, cluster.intra_latency) if r["link"] == "intra" else (cluster.inter_bw, cluster.inter_latency)
-    factor, hops = ALGORITHM.get(r["kind"], lambda n: (1, 1))(r["group_size"])
+    factor, hops = algorithm(r)
     return r["count"] * (hops * lat + factor * r["bytes"] / bw)
 
 
