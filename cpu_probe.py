@@ -32,6 +32,7 @@ import torch
 
 from hardware import cpu_name, cpu_units, isa_caps
 from run_state import write_json_atomic
+from strategies import data_parallel_size
 
 MINIMAL = {"n_embd_per_head": 8, "seq_len": 8, "vocab_size": 16, "micro_batch_size": 1}
 FIXED_STEPS, FIXED_WARMUP = 10, 4
@@ -225,9 +226,7 @@ def minimal_flags(cfg, heads: int) -> list[str]:
     """fabric_gpt.py's flags for the same strategy, precision, processes, layers, micro-batches, optimizer and
     memory levers as cfg, on the minimal shape."""
     steps = FIXED_STEPS
-    dp = cfg.devices * cfg.num_nodes // (max(cfg.tp_size, 1) if cfg.strategy == "fsdp_tp" else
-                                         cfg.devices if cfg.strategy in ("tp", "pp") else 1)
-    samples = steps * cfg.grad_accum * max(dp, 1)
+    samples = steps * cfg.grad_accum * data_parallel_size(cfg)
     out = ["--model", "tiny", "--n-embd", MINIMAL["n_embd_per_head"] * heads, "--n-head", heads,
            "--n-layer", cfg.n_layer, "--seq-len", MINIMAL["seq_len"], "--vocab-size", MINIMAL["vocab_size"],
            "--micro-batch-size", MINIMAL["micro_batch_size"], "--grad-accum", cfg.grad_accum,
