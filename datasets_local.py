@@ -102,7 +102,7 @@ def _mirrors(mirror: str | None) -> tuple[str, ...]:
     return (mirror,) if mirror else UPSTREAM_MIRRORS
 
 
-def _fetch(mirror: str, filename: str) -> bytes:
+def fetch(mirror: str, filename: str) -> bytes:
     """The bytes of `filename` (.gz) from a URL or a local directory."""
     parsed = urllib.parse.urlparse(mirror)
     if parsed.scheme in ("http", "https", "ftp", "file"):
@@ -130,7 +130,7 @@ def _read_with_progress(response, filename: str) -> bytes:
     return b"".join(chunks)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write through a temporary file in the same folder and rename, so no partial file is ever visible."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
@@ -178,7 +178,7 @@ def download(root, mirror: str | None = None, quiet: bool = False) -> None:
         errors = []
         for source in _mirrors(mirror):
             try:
-                payload = gzip.decompress(_fetch(source, name + ".gz"))
+                payload = gzip.decompress(fetch(source, name + ".gz"))
             except (OSError, EOFError, zlib.error, ValueError, http.client.HTTPException) as e:  # URLError is an OSError; IncompleteRead is not
                 errors.append(f"{source}: {e}")
                 continue
@@ -186,7 +186,7 @@ def download(root, mirror: str | None = None, quiet: bool = False) -> None:
             if digest != SHA256[name]:
                 errors.append(f"{source}: checksum mismatch (sha256 {digest[:12]}..., expected {SHA256[name][:12]}...)")
                 continue
-            _write_atomic(path, payload)
+            write_atomic(path, payload)
             if not quiet:
                 print(f"downloaded {name} from {source}", file=sys.stderr)
             break

@@ -13,12 +13,17 @@ Strategy builders live in strategies.py, FLOPs/peaks/memory-plan arithmetic in a
 """
 
 import dataclasses
+import functools
 import itertools
+import json
 import math
+import sys
 import time
 import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from lightning.fabric import Fabric
@@ -30,13 +35,14 @@ import flags
 import hf_export
 import perf_model
 import strategies
+import text_corpus
 from accounting import count_parameters, gpt2_config
 from comm_counter import CommCounter
 from flags import ConfigError, opt
 from hardware import check_hardware, cpu_name, uses_gpu
 from ranks import check_launcher, launch
 from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StopRequest, nonfinite_message, requeue_flag,
-                       resume_flag, run_main)
+                       resume_flag, run_main, step_of)
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -61,9 +67,16 @@ class Config:
     seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=0)
     vocab_size: int = opt(0, "vocabulary size (0: the preset's)", min=2, zero=True)
     dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step", min=0, below=1)
-    dataset: str = opt("random", "random tokens (as the course), or ramp (x[t+1] = x[t] + 1: learnable)",
-                       ("random", "ramp"), group="data: a fixed set of samples, the same for every strategy")
-    num_samples: int = opt(256, "samples in all = steps x micro-batch x accumulation x data-parallel size", min=1)
+    dataset: str = opt("random", "random tokens (as the course), ramp (x[t+1] = x[t] + 1: learnable) or text "
+                       "(windows of a corpus)", ("random", "ramp", "text"),
+                       group="data: a fixed set of samples, the same for every strategy")
+    text: str = opt("", "--dataset text: a UTF-8 file or folder of .txt files (default: Shakespeare, fetched)",
+                    check=flags.Existing(optional=True))
+    tokenizer: str = opt("char", "--dataset text: char, bpe (trained on the corpus, --vocab-size tokens) or a saved "
+                         "tokenizer's path", check=flags.Existing(("char", "bpe")))
+    data_dir: str = opt("data/text", "the fetched corpus and its prepared token files", check=flags.Folder())
+    num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: 256; "
+                           "text: --steps' worth)", min=1, zero=True)
     micro_batch_size: int = opt(4, "samples per data-parallel rank per forward/backward", min=1)
     grad_accum: int = opt(1, "micro-batches per optimizer step (pp: micro-batches in flight)", min=1)
     steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0)
@@ -100,6 +113,14 @@ class Config:
     device_memory_gb: float = opt(0.0, "memory per device for --plan (0: the visible GPU's)", min=0)
     host_memory_gb: float = opt(0.0, "host memory this machine's processes may use (0: what is available now)",
                                 min=0)
+    eval_every: int = opt(0, "--dataset text: optimizer steps between validation losses (0: at the end only)",
+                          min=0, group="validation and samples (--dataset text)")
+    eval_batches: int = opt(20, "global batches of fixed validation windows per evaluation", min=1)
+    sample: bool = opt(False, "print text generated from --run-name's final weights (any strategy) and exit")
+    prompt: str = opt("\n", "--sample: the text generation starts from", check=flags.Text())
+    max_new_tokens: int = opt(500, "--sample: tokens to generate", min=1)
+    temperature: float = opt(0.8, "--sample: softmax temperature (lower: more conservative)", above=0)
+    top_k: int = opt(200, "--sample: draw from the k likeliest tokens (0: all)", min=0)
     timing_warmup: int = opt(2, "first optimizer steps left out of time and throughput", min=0,
                              group="run, measurement and checkpoints")
     log_every: int = opt(1, "optimizer steps between log lines", min=1)
@@ -112,18 +133,62 @@ class Config:
     export: bool = opt(False, "at the end, write runs/<run>/hf/: a Hugging Face model folder, whatever the strategy")
 
 
-# grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it)
-RUNTIME_FIELDS = {"devices", "num_nodes", "node_timeout", "compile", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
+# grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it);
+# a corpus and tokenizer are compared by their SHA-256 (Run's identity), not by the paths that named them
+RUNTIME_FIELDS = {"text", "tokenizer", "data_dir", "eval_every", "eval_batches", "sample", "prompt", "max_new_tokens",
+                  "temperature", "top_k", "devices", "num_nodes", "node_timeout", "compile", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
                   "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "requeue_signal", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill the preset's dimensions and the learning rate where the flags left 0."""
+    """Fill the preset's dimensions and the learning rate where the flags left 0. A text run's vocabulary and
+    sample count come from its corpus (resolve_text, once the process layout is known)."""
     n_embd, n_layer, n_head, seq_len, vocab = PRESETS[cfg.model]
+    text = cfg.dataset == "text"
     return dataclasses.replace(cfg, n_embd=cfg.n_embd or n_embd, n_layer=cfg.n_layer or n_layer,
                                n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
-                               vocab_size=cfg.vocab_size or vocab, lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4))
+                               vocab_size=cfg.vocab_size or (0 if text else vocab),
+                               num_samples=cfg.num_samples or (0 if text else 256),
+                               lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4))
+
+
+def resolve_text(cfg: Config) -> None:
+    """--dataset text: prepare the corpus (fetched and tokenized once), then take the model's vocabulary from the
+    tokenizer (or --vocab-size, when it holds every token) and the sample count from --steps."""
+    if cfg.dataset != "text":
+        if cfg.text:
+            raise ConfigError(f"--text {cfg.text} is read by --dataset text only; add --dataset text")
+        return
+    prepared = prepared_text(cfg)
+    if cfg.vocab_size and cfg.vocab_size < prepared.vocab_size:
+        raise ConfigError(f"--vocab-size {cfg.vocab_size} is smaller than the {prepared.vocab_size} tokens of the "
+                          f"{cfg.tokenizer} tokenizer; leave --vocab-size out (the tokenizer's) or give at least that")
+    for split, count in (("train", prepared.train_tokens), ("val", prepared.val_tokens)):
+        if count < cfg.seq_len:
+            raise ConfigError(f"the corpus {prepared.corpus} gives {count:,} {split} tokens ({'the last 10%' if split == 'val' else 'the first 90%'} "
+                              f"of its {prepared.train_tokens + prepared.val_tokens:,}), fewer than one window of --seq-len "
+                              f"{cfg.seq_len}; use a longer text or --seq-len {max(2, count)} or less")
+    # bpe's --vocab-size is the size it was trained for (what names its prepared files), at least what it reached
+    cfg.vocab_size = bpe_target(cfg) if cfg.tokenizer == "bpe" else max(cfg.vocab_size, prepared.vocab_size)
+    if not cfg.num_samples:
+        per_step = samples_per_step(cfg)
+        cfg.num_samples = (cfg.steps or max(1, 256 // per_step)) * per_step
+
+
+@functools.cache
+def _prepared(text: str, tokenizer: str, vocab_size: int, data_dir: str) -> "text_corpus.Prepared":
+    return text_corpus.prepare(text, tokenizer, vocab_size, data_dir)
+
+
+def bpe_target(cfg: Config) -> int:
+    """The vocabulary bpe is trained for: --vocab-size, else the preset's, at least 512."""
+    return cfg.vocab_size or max(PRESETS[cfg.model][4], 512)
+
+
+def prepared_text(cfg: Config) -> "text_corpus.Prepared":
+    """The run's prepared corpus (the same object for every call with the same corpus and tokenizer)."""
+    return _prepared(cfg.text, cfg.tokenizer, bpe_target(cfg) if cfg.tokenizer == "bpe" else 0, cfg.data_dir)
 
 
 def samples_per_step(cfg: Config) -> int:
@@ -179,8 +244,11 @@ def fill_initial_weights(model, cfg: Config, partitioned: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-def make_dataset(cfg: Config) -> TensorDataset:
-    """`num_samples` sequences fixed by the seed alone, so every strategy and world size sees the same data."""
+def make_dataset(cfg: Config):
+    """`num_samples` sequences fixed by the seed alone, so every strategy and world size sees the same data: random
+    tokens, a ramp, or windows of the corpus at seeded random starts."""
+    if cfg.dataset == "text":
+        return text_corpus.Windows(prepared_text(cfg), "train", cfg.seq_len, cfg.num_samples, cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     if cfg.dataset == "ramp":
         start = torch.randint(0, cfg.vocab_size, (cfg.num_samples, 1), generator=g)
@@ -188,6 +256,12 @@ def make_dataset(cfg: Config) -> TensorDataset:
     else:
         tokens = torch.randint(0, cfg.vocab_size, (cfg.num_samples, cfg.seq_len), generator=g)
     return TensorDataset(tokens)
+
+
+def make_val_dataset(cfg: Config):
+    """--eval-batches global batches of fixed validation windows (from the last 10% of the corpus)."""
+    count = cfg.eval_batches * samples_per_step(cfg)
+    return text_corpus.Windows(prepared_text(cfg), "val", cfg.seq_len, count, cfg.seed + 1)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -294,12 +368,46 @@ def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[
     return loss, norm, False  # 16-mixed is refused under pp: no loss scaler
 
 
+def evaluate(run: Run, model, val_loader, schedule=None) -> float:
+    """The mean loss over the fixed validation windows, in eval mode without gradients, under any strategy (each
+    data-parallel rank takes its share; a pipeline runs the windows through its stages)."""
+    fabric, cfg = run.fabric, run.cfg
+    batches, total = iter(val_loader), torch.zeros((), device=fabric.device)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(cfg.eval_batches):
+            micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
+            if schedule is None:
+                total += sum(model(input_ids=t, labels=t).loss.float() for t in micro_batches) / len(micro_batches)
+            else:
+                total += pipeline_eval_loss(fabric, model, cfg, schedule, torch.cat(micro_batches))
+    model.train()
+    return mean_loss(fabric, cfg, total / cfg.eval_batches)
+
+
+def pipeline_eval_loss(fabric, model, cfg: Config, schedule, tokens: torch.Tensor) -> torch.Tensor:
+    """A forward of the micro-batches through the stages; only the last stage has the loss (0 elsewhere)."""
+    stage, losses = strategies.local_module(model, cfg.strategy), []
+    with fabric.autocast():
+        if stage.first and stage.last:
+            schedule.eval(tokens, target=tokens, losses=losses)
+        elif stage.first:
+            schedule.eval(tokens)
+        elif stage.last:
+            schedule.eval(target=tokens, losses=losses)
+        else:
+            schedule.eval()
+    return torch.stack(losses).float().mean() if losses else torch.zeros((), device=fabric.device)
+
+
 # ----------------------------------------------------------------------------- training
 STEADY_STEP = 2  # steps a process takes before its traffic repeats: DDP rebuilds its buckets in its second
 
 
-def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, flops: dict, take_step) -> dict:
-    """Optimizer steps of `grad_accum` micro-batches each, from progress.step to `stop_at`."""
+def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, flops: dict, take_step,
+          validate_now=None) -> dict:
+    """Optimizer steps of `grad_accum` micro-batches each, from progress.step to `stop_at`; `validate_now()` (a text
+    run's validation loss) every --eval-every steps and at the end, before the checkpoint that holds it."""
     fabric, cfg = run.fabric, run.cfg
     progress: Progress = run.state["progress"]
     tokens_per_step = samples_per_step(cfg) * cfg.seq_len
@@ -347,6 +455,12 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             progress.losses.append([step, loss_value])
             progress.grad_norms.append([step, norm])
             log_step(run, step, stop_at, loss_value, norm, step_time, tokens_per_step, flops, skipped)
+        if validate_now and ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop_at):
+            val = validate_now()
+            progress.val_losses.append([step, val])
+            run.logger.log_metrics({"val/loss": val}, step=step)
+            fabric.print(f"step {step:>4}/{stop_at} | val loss {val:.4f} over {cfg.eval_batches} x "
+                         f"{samples_per_step(cfg)} fixed windows")
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping or step == stop_at:
             run.save(step)
         if stopping:
@@ -430,6 +544,9 @@ def print_summary(fabric: Fabric, r: dict) -> None:
                     f"{'MFU':<22}{mfu}\n" if timed else f"{'step time':<22}{not_timed}\n")
                  + f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
                  f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}"
+                 + (f"\n{'val loss first / last':<22}{r['val_losses'][0][1]:.4f} / {r['val_loss']:.4f} (step "
+                    f"{r['val_losses'][-1][0]}; {r['text']['tokenizer']} tokenizer, {r['text']['tokenizer_vocab']} tokens)"
+                    if r.get("val_losses") else "")
                  + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} at "
                     f"efficiency {r['predicted']['efficiency']} (perf_model.py)" if r.get("predicted") else ""))
 
@@ -501,13 +618,14 @@ def validate(cfg: Config) -> None:
     flags.check_config(cfg)  # each flag's own range, again for a config built in Python
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
+    validate_parallel_sizes(cfg)
+    resolve_text(cfg)  # the corpus's errors (missing, empty, binary, too short) before any model is built
     if cfg.nvme_path and cfg.strategy != "deepspeed_stage_3_offload":
         raise ConfigError("--nvme-path offloads through DeepSpeed ZeRO-3: use it with --strategy deepspeed_stage_3_offload")
     if cfg.nvme_path and cfg.resume:  # its load skips the optimizer state and the swapper starts AdamW anew
         raise ConfigError("--resume with --nvme-path: DeepSpeed does not bring AdamW's moments and step count back from "
                           "an NVMe-offload checkpoint, so the resumed run would not be the uninterrupted one; start the "
                           "run again, or offload to CPU memory (no --nvme-path), whose runs resume exactly")
-    validate_parallel_sizes(cfg)
     if cfg.optimizer == "sgd" and cfg.strategy.endswith("_offload"):
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan or cfg.search:
@@ -521,7 +639,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
     data_bytes = cfg.num_samples * cfg.seq_len * 8  # the token ids, int64, made whole before the first step
-    if data_bytes > host_available(cfg) / 4:
+    if cfg.dataset != "text" and data_bytes > host_available(cfg) / 4:  # text: windows of a memory-mapped file
         raise ConfigError(f"--num-samples {cfg.num_samples} x --seq-len {cfg.seq_len} tokens are {data_bytes / 2**30:.1f} "
                           f"GiB of token ids, more than a quarter of this machine's available memory; use fewer samples "
                           f"(--steps ends a run early without making its samples smaller)")
@@ -646,9 +764,62 @@ def parse_args(argv=None) -> Config:
 
 def main(argv=None):
     cfg = resolve(parse_args(argv))
+    if cfg.sample:
+        try:
+            return sample(cfg)
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            sys.exit(f"error: {e}")
     if cfg.plan or cfg.search:
         return run_main(cfg, "gpt", validate, plan_only, argv=argv)
     return run_main(cfg, "gpt", validate, run, errors=(strategies.PlacementError,), finished=reached_its_end, argv=argv)
+
+
+def sample(cfg: Config) -> str:
+    """--sample: text generated from --run-name's newest checkpoint, whatever strategy wrote it (gathered into one
+    state dict in this process), with the run's own tokenizer; the context is cut to the model's --seq-len."""
+    from transformers import GPT2LMHeadModel
+
+    from run_state import Checkpoints
+
+    run_dir = Path(cfg.out_dir) / cfg.run_name
+    if not cfg.run_name or not run_dir.is_dir():
+        raise ConfigError(f"--sample needs --run-name of a run under {cfg.out_dir}/ (make sample RUN=<run folder>)"
+                          + (f"; {run_dir} does not exist" if cfg.run_name else ""))
+    if not (run_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"{run_dir} has no tokenizer.json: it was not trained on text, so its tokens mean nothing; "
+                          "sample a run of --dataset text")
+    checkpoints = Checkpoints(run_dir / "checkpoints").complete()
+    if not checkpoints:
+        raise ConfigError(f"{run_dir} has no complete checkpoint to sample from; train it first (or --resume auto)")
+    saved = SimpleNamespace(**json.loads((checkpoints[-1] / "config.json").read_text()))
+    if getattr(saved, "nvme_path", ""):
+        raise ConfigError(f"{checkpoints[-1]} is an NVMe-offload checkpoint, whose weights DeepSpeed cannot read back; "
+                          "train with --export and load runs/<run>/hf instead")
+    model = GPT2LMHeadModel(accounting.gpt2_config(saved))
+    model.load_state_dict(strategies.export_checkpoint(checkpoints[-1]), strict=False)  # lm_head: tied to wte
+    model.tie_weights()
+    model.eval()
+    tokenizer = text_corpus.load_tokenizer(run_dir / "tokenizer.json")
+    ids = text_corpus.encode_prompt(tokenizer, cfg.prompt)
+    text = tokenizer.decode(generate(model, ids, cfg, saved.seq_len, tokenizer.get_vocab_size()))
+    print(f"{checkpoints[-1]} (step {step_of(checkpoints[-1])}), temperature {cfg.temperature}, top-k {cfg.top_k}:\n")
+    print(text)
+    return text
+
+
+@torch.no_grad()
+def generate(model, ids: list[int], cfg: Config, context: int, vocab: int) -> list[int]:
+    """Draw --max-new-tokens tokens one at a time from the softmax of the last position's logits over the
+    tokenizer's vocabulary, divided by --temperature and cut to the --top-k likeliest; seeded by --seed."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    x = torch.tensor([ids])
+    for _ in range(cfg.max_new_tokens):
+        logits = model(input_ids=x[:, -context:]).logits[:, -1, :vocab].float() / cfg.temperature
+        if cfg.top_k and cfg.top_k < vocab:
+            kth = torch.topk(logits, cfg.top_k).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        x = torch.cat([x, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], dim=1)
+    return x[0].tolist()
 
 
 def reached_its_end(record: dict, cfg: Config) -> bool:
@@ -740,19 +911,26 @@ def run(cfg: Config) -> dict:
                                                      fabric.strategy.device_mesh, cfg.pp_schedule, cfg.grad_accum)
         take_step = lambda r, m, o, b: step_pipeline(r, m, o, b, schedule)  # noqa: E731
 
-    progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0, skipped_steps=0)
+    validate_now = None
+    if cfg.dataset == "text":
+        val_loader = fabric.setup_dataloaders(DataLoader(make_val_dataset(cfg), batch_size=micro, shuffle=False))
+        validate_now = lambda: evaluate(run, model, val_loader, schedule if cfg.strategy == "pp" else None)  # noqa: E731
+
+    progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0, skipped_steps=0, val_losses=[])
     # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state_dict is the whole model's)
     state = {"model": strategies.local_module(model, cfg.strategy) if cfg.strategy == "pp" else model,
              "optimizer": optimizer, "progress": progress}
     run = Run(fabric, cfg, "gpt", RUNTIME_FIELDS, state, check_config=lambda saved: check_resume(saved, cfg),
-              per_rank_checkpoints=cfg.strategy == "pp")
+              per_rank_checkpoints=cfg.strategy == "pp", identity=text_identity(cfg))
     run.start()
+    if cfg.dataset == "text" and fabric.is_global_zero:  # the run carries its tokenizer: --sample and hf/ read it
+        text_corpus.save_tokenizer(prepared_text(cfg), run.dir)
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
                  f"{micro} x {cfg.grad_accum} x {strategies.data_parallel_size(cfg)} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
     with StopRequest(cfg.requeue_signal) as run.stop:
-        result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step)
+        result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step, validate_now)
     record = summarize(fabric, cfg, result, n_params, flops, plan, progress, peak)
     record["memory_setup"] = {k: float(fabric.all_reduce(torch.tensor(v, device=fabric.device), reduce_op="max"))
                               for k, v in setup_peak.items()}
@@ -763,6 +941,12 @@ def run(cfg: Config) -> dict:
         record.update(comm_record(cfg, result["comms"], n_params))
     record["predicted"] = predicted_step(cfg, record, n_params)
     record["host_plan"] = {k: float(v) for k, v in host.items()}
+    if cfg.dataset == "text":
+        record["val_losses"] = progress.val_losses
+        record["val_loss"] = progress.val_losses[-1][1] if progress.val_losses else None
+        record["text"] = {**text_identity(cfg), "corpus": prepared_text(cfg).corpus, "tokenizer": cfg.tokenizer,
+                          "tokenizer_vocab": prepared_text(cfg).vocab_size, "train_tokens": prepared_text(cfg).train_tokens,
+                          "val_tokens": prepared_text(cfg).val_tokens}
     record["model_build"] = "partitioned (deepspeed.zero.Init)" if strategies.zero_stage(cfg.strategy) == 3 else "whole on every rank"
     if cfg.nvme_path:  # what ZeRO-Infinity swapped during the optimizer steps, all ranks together, per step
         record["disk_io_per_step_bytes"] = {k: float(fabric.all_reduce(torch.tensor(v, dtype=torch.float64, device=fabric.device),
@@ -776,6 +960,14 @@ def run(cfg: Config) -> dict:
     record = run.finish(record)
     print_summary(fabric, record)
     return record
+
+
+def text_identity(cfg: Config) -> dict:
+    """What a text run's checkpoints are tied to, beside the flags: its corpus and tokenizer, by content."""
+    if cfg.dataset != "text":
+        return {}
+    prepared = prepared_text(cfg)
+    return {"corpus_sha256": prepared.corpus_sha256, "tokenizer_sha256": prepared.tokenizer_sha256}
 
 
 def announce_duration(fabric: Fabric, cfg: Config, n_params: int, peak: tuple, steps: int) -> None:

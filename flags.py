@@ -146,6 +146,28 @@ class Resume(Check):
         return text in ("", "auto") or Path(text).expanduser().exists()
 
 
+class Text(Check):
+    """Any text (a prompt)."""
+
+    allows, metavar = "any text", "TEXT"
+
+    def ok(self, text: str) -> bool:
+        return True
+
+
+class Existing(Check):
+    """An existing file or folder, or one of `names` (words the flag takes besides a path); empty when optional."""
+
+    metavar = "PATH"
+
+    def __init__(self, names=(), optional: bool = False):
+        self.names, self.optional = tuple(names), optional
+        self.allows = " or ".join([*self.names, "an existing file or folder"]) + (" (or nothing)" if optional else "")
+
+    def ok(self, text: str) -> bool:
+        return (text == "" and self.optional) or text in self.names or (bool(text.strip()) and Path(text).expanduser().exists())
+
+
 class Source(Check):
     """Where files come from: an http(s)/file URL or an existing folder; empty for the default."""
 

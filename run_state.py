@@ -471,11 +471,12 @@ class Run:
     train() receives this object as its context."""
 
     def __init__(self, fabric, cfg, kind: str, runtime_fields: set[str], state: dict, check_config=None,
-                 per_rank_checkpoints: bool = False, added_fields: dict | None = None):
+                 per_rank_checkpoints: bool = False, added_fields: dict | None = None, identity: dict | None = None):
         from lightning.fabric.loggers import TensorBoardLogger
 
         self.fabric, self.cfg, self.kind, self.state = fabric, cfg, kind, state
         self.runtime_fields, self.added_fields = runtime_fields, added_fields
+        self.identity = identity or {}  # what the run depends on beside its flags (a corpus, a tokenizer): by content
         self.check_config = check_config or (lambda saved: None)
         # A default name holds the start time: rank 0's is broadcast so all ranks write to one folder.
         cfg.run_name = fabric.broadcast(cfg.run_name or unused_name(cfg.out_dir, f"{kind}-{default_name(cfg)}-"
@@ -488,7 +489,7 @@ class Run:
         fabric.print(f"config: {self.config()}")
 
     def config(self) -> dict:
-        return {"kind": self.kind, **dataclasses.asdict(self.cfg)}
+        return {"kind": self.kind, **dataclasses.asdict(self.cfg), **self.identity}
 
     def start(self) -> None:
         """Resume if asked (or refuse with the fix), then record the config the run continues under."""

@@ -133,7 +133,7 @@ def test_download_rejects_corrupted_mirror_file(tmp_path, mnist_dir):
 
 def test_download_from_mirror_verifies_and_skips(mnist_dir, monkeypatch):
     mtimes = {p.name: p.stat().st_mtime_ns for p in mnist_dir.iterdir()}
-    monkeypatch.setattr(dl, "_fetch", lambda *a: pytest.fail("valid files must not be fetched again"))
+    monkeypatch.setattr(dl, "fetch", lambda *a: pytest.fail("valid files must not be fetched again"))
     dl.download(mnist_dir, quiet=True)
     assert {p.name: p.stat().st_mtime_ns for p in mnist_dir.iterdir()} == mtimes
     for name, digest in dl.SHA256.items():
