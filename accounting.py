@@ -128,7 +128,10 @@ def gpt2_config(cfg):
     """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache)."""
     from transformers import GPT2Config
 
+    # GPT-2's tanh GELU as one kernel: the same function as gelu_new, whose eight elementwise ops took 15% of a CPU
+    # step of the nanoGPT recipe (python bench.py text) and saved 12 of a block's 112 bytes per element for backward
     return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
+                      activation_function="gelu_pytorch_tanh",
                       vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                       attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
                       eos_token_id=cfg.vocab_size - 1)
@@ -222,11 +225,10 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
       2w   their outputs, the inputs of c_attn and c_fc
       3w   q, k, v (SDPA saves them, its output w and a log-sum-exp per head and position)
       w    the attention output (c_proj's input is a view of it)
-      8w+12g  the MLP: gelu_new is a Python composite whose ops each save their inputs: c_fc's output (or its
-           float32 copy) and tanh and 1+tanh, 12g, 0.5x 4w, and its output 4w (c_proj's input); g is w, except
-           under autocast on CUDA, which runs pow in float32 (g = 4)
-    = 2r + 14w + 12g: 112 bytes in float32, 60 under bf16 autocast on a CPU and 84 on a GPU (measured on an
-    H100), 56 in bf16-true: 1.6x to 2.5x Korthikanti et al.'s 34 (fused kernels, a 16-bit residual). Autocast also keeps each block's 16-bit weight
+      8w   the MLP: c_fc's output (the tanh GELU's input, one kernel) and the GELU's output (c_proj's input)
+    = 2r + 14w: 64 bytes in float32, 36 under bf16 autocast, 28 in bf16-true: Korthikanti et al.'s 34 counts
+    dropout masks and a 16-bit residual. (With gelu_new, a Python composite whose ops each saved their inputs,
+    it was 2r + 14w + 12g: 112 bytes in float32, 84 under autocast on an H100, where pow ran in float32.) Autocast also keeps each block's 16-bit weight
     copies (12h² x 2 bytes) for backward. Eager attention adds the s x s scores (Korthikanti's 5as/h, in w-byte
     words). Tensor parallel splits all but the LayerNorms' inputs and outputs by t."""
     s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
@@ -235,12 +237,9 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy)
     w = 2 if half else 4
     r = 4 if autocast or not half else 2
-    # gelu_new's word: CUDA's autocast runs torch.pow in float32 and the ops after it follow (measured on an
-    # H100: 84 bytes per block and element, against 60 under the CPU's autocast, where pow stays in bf16)
-    g = 4 if autocast and plans_for_gpu(cfg) else w
     t, p = tp_size(cfg), pp_size(cfg)
     scores = 5 * a * s / h * w / 2 if attn_implementation == "eager" else 0
-    per_layer = s * b * h * (2 * r + 2 * w + (12 * w + 12 * g + scores) / t)
+    per_layer = s * b * h * (2 * r + 2 * w + (12 * w + scores) / t)
     weight_copies = 12 * h * h * 2 / t if autocast else 0  # per block, kept from forward to backward
     head = s * b * h * (r + w) + (V * h * 2 if autocast else 0)  # ln_f's input and output; lm_head's weight copy
     # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward

@@ -5,7 +5,8 @@
     python fabric_gpt.py ... --export       # at the end of a run, from the live model
 
 runs/<run>/hf/ holds config.json, generation_config.json and model.safetensors (sharded with an index file above
-2 GB, as save_pretrained writes it); `AutoModelForCausalLM.from_pretrained("runs/<run>/hf")` loads it. Sharded
+2 GB, as save_pretrained writes it), and a text run's tokenizer; `AutoModelForCausalLM.from_pretrained("runs/<run>/hf")`
+(and `AutoTokenizer`) load it. Sharded
 checkpoints (ZeRO, FSDP2, tensor and pipeline parallel) are gathered into one ordinary state dict in one process
 (strategies.export_checkpoint); the weights are written from that dict itself, never copied into a second model.
 """
@@ -41,6 +42,10 @@ def write_hf_folder(state_dict: dict, cfg, folder) -> Path:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, max_shard_size=SHARD, safe_serialization=True)
+    tokenizer = folder.parent / "tokenizer.json"  # a text run's (runs/<run>/tokenizer.json): AutoTokenizer loads it
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, partial / "tokenizer.json")
+        (partial / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}\n')
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder

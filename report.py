@@ -294,6 +294,36 @@ def section_environment(rep: Report, runs: Path) -> None:
     rep.add("| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in env.items()], "")
 
 
+def text_runs(runs: Path) -> list[Path]:
+    """Finished fabric_gpt.py runs on text: their record names the corpus and tokenizer."""
+    return [p.parent for p in runs.glob(f"*/{RECORD}") if "text" in (load_json(p) or {})]
+
+
+def section_text(rep: Report, runs: Path, chosen: Path | None) -> None:
+    run_dir = chosen or newest(text_runs(runs) if runs.is_dir() else [])
+    if run_dir is None:
+        rep.note("no GPT-2 run on text yet. Produce one with `make gpt DATASET=text STEPS=2000 ARGS='--n-embd 128 "
+                 "--n-layer 4 --n-head 4 --seq-len 64 --micro-batch-size 12 --lr 1e-3'` (docs/text.md).")
+        return
+    r = load_json(run_dir / RECORD)
+    if r is None or "text" not in r:
+        rep.note(f"`{run_dir}/{RECORD}` is unreadable or not a text run; run it again.")
+        return
+    t = r["text"]
+    rep.add(f"Run `{run_dir.name}`: {r['model']} ({r['n_params'] / 1e6:,.2f}M parameters), {r['strategy']} / "
+            f"{r['precision']} on {r['world_size']} x {r['device_name']}, {t['tokenizer']} tokenizer ({t['tokenizer_vocab']} "
+            f"tokens) on `{Path(t['corpus']).name}` ({t['train_tokens']:,} train and {t['val_tokens']:,} validation tokens).", "",
+            "| steps | train loss | validation loss | tokens/s |", "|---:|---:|---:|---:|",
+            f"| {r['steps']} | {r['final_loss']:.4f} | {r['val_loss']:.4f} | "
+            + (f"{r['tokens_per_s']:,.0f} |" if r["tokens_per_s"] else "not timed |"), "",
+            f"Text from its final weights: `make sample RUN={run_dir.name}`.", "")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(*zip(*r["losses"]), label="train (global batch)", lw=1)
+    ax.plot(*zip(*r["val_losses"]), "o-", label=f"validation ({r['config']['eval_batches']} fixed batches)")
+    ax.set_xlabel("optimizer step"), ax.set_ylabel("cross-entropy (nats per token)"), ax.legend()
+    rep.figure(fig, "gpt_text_curves.png", "GPT-2 on text: training and validation loss")
+
+
 def build_parser():
     from flags import Folder, Parser
 
@@ -304,6 +334,8 @@ def build_parser():
                         "(default: report)")
     parser.add_argument("--lenet", default=None, type=Folder(create=False), help="a LeNet run folder (default: the "
                         "newest finished relu run, else the newest)")
+    parser.add_argument("--gpt-text", default=None, type=Folder(create=False), help="a GPT-2 run on text (default: "
+                        "the newest finished one)")
     parser.add_argument("--gpt-bench", default=None, type=Folder(create=False), help="a bench-gpt-* folder (default: "
                         "the newest)")
     return parser
@@ -320,6 +352,7 @@ def main(argv=None) -> Path:
     rep.section("LeNet-5 on MNIST", section_lenet, runs, Path(args.lenet) if args.lenet else None)
     rep.section("LeNet-5 benchmark", section_lenet_bench, runs)
     rep.section("GELU operator", section_gelu, runs)
+    rep.section("GPT-2 on text", section_text, runs, Path(args.gpt_text) if args.gpt_text else None)
     rep.section("GPT-2: strategies compared", section_gpt, runs, Path(args.gpt_bench) if args.gpt_bench else None)
     rep.section("GPU check", section_gpu_check, runs)
     rep.section("Environment", section_environment, runs)

@@ -212,7 +212,7 @@ TEXT = ["--dataset", "text", "--model", "tiny", "--seq-len", "32", "--accelerato
 
 def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
     run_in_process("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "24", "--eval-every", "12",
-                   "--out-dir", tmp_path, "--run-name", "t")
+                   "--out-dir", tmp_path, "--run-name", "t", "--export")
     rec = json.loads((tmp_path / "t" / "record.json").read_text())
     assert rec["config"]["vocab_size"] == 84 == rec["text"]["tokenizer_vocab"] and rec["text"]["corpus_sha256"] == tc.CORPUS_SHA256
     assert [s for s, _ in rec["val_losses"]] == [12, 24] and rec["val_loss"] == rec["val_losses"][-1][1]
@@ -232,6 +232,15 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
     greedy = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
                             "--max-new-tokens", "20")
     assert "step-00000024 (step 24)" in greedy.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # the exported folder carries the tokenizer
+
+    hf_tok, hf_model = AutoTokenizer.from_pretrained(tmp_path / "t" / "hf"), AutoModelForCausalLM.from_pretrained(tmp_path / "t" / "hf")
+    assert hf_tok.decode(hf_tok("ROMEO:\nWhat?")["input_ids"]) == "ROMEO:\nWhat?" and hf_model.config.vocab_size == 84
+    import report
+
+    report.main(["--runs", str(tmp_path), "--out", str(tmp_path / "report")])
+    written = (tmp_path / "report" / "REPORT.md").read_text()
+    assert "## GPT-2 on text" in written and "| 24 |" in written and (tmp_path / "report" / "gpt_text_curves.png").is_file()
 
 
 def test_a_resumed_text_run_continues_the_same_stream(tmp_path, text_dir):
