@@ -140,7 +140,11 @@ def sane(kind, text, value) -> bool:
         from pathlib import Path
 
         return text in ("", "auto") or Path(text).exists()
-    return isinstance(kind, flags.Names)
+    if isinstance(kind, flags.Existing):
+        from pathlib import Path
+
+        return (text == "" and kind.optional) or text in kind.names or (bool(text.strip()) and Path(text).exists())
+    return isinstance(kind, (flags.Names, flags.Text))  # a prompt may be any text
 
 
 @pytest.mark.parametrize("script,argv,words", [

@@ -135,7 +135,9 @@ def test_single_device_baseline_takes_the_global_batch_in_micro_batches_that_fit
     memory = 80 * 2**30
     micro = bench.single_device_micro_batch("1.6b", "bf16-mixed", 32, memory)
     assert 32 % micro == 0 and micro < 32 and planned(32) >= 0.9 * memory
-    assert micro <= 4  # micro-batch 8 ran out of memory on an 80 GiB H100 (docs/gpu.md)
+    # micro-batch 8 ran out of 80 GiB on an H100 with gelu_new's composite (docs/gpu.md); the one-kernel GELU saves
+    # 48 fewer bytes per block and element under CUDA autocast, and the plan fits 8 (not yet measured on a GPU)
+    assert micro <= 8
     assert planned(micro) < 0.9 * memory and (micro == 32 or planned(2 * micro) >= 0.9 * memory)
     assert bench.single_device_micro_batch("1.6b", "bf16-mixed", 32, 2**30) == 1  # fits nowhere: the run will say so
 
