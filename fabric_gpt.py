@@ -781,7 +781,8 @@ def main(argv=None):
 
 def sample(cfg: Config) -> str:
     """--sample: text generated from --run-name's newest checkpoint, whatever strategy wrote it (gathered into one
-    state dict in this process), with the run's own tokenizer; the context is cut to the model's --seq-len."""
+    state dict in this process), with the run's own tokenizer; the context is cut to the --seq-len - 1 tokens
+    whose next token training predicts."""
     from transformers import GPT2LMHeadModel
 
     from run_state import Checkpoints
@@ -819,7 +820,8 @@ def generate(model, ids: list[int], cfg: Config, context: int, vocab: int) -> li
     generator = torch.Generator().manual_seed(cfg.seed)
     x = torch.tensor([ids])
     for _ in range(cfg.max_new_tokens):
-        logits = model(input_ids=x[:, -context:]).logits[:, -1, :vocab].float() / cfg.temperature
+        # at most context - 1 tokens: training (labels = inputs) never asks the last position for a next token
+        logits = model(input_ids=x[:, -(context - 1):]).logits[:, -1, :vocab].float() / cfg.temperature
         if cfg.top_k and cfg.top_k < vocab:
             kth = torch.topk(logits, cfg.top_k).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
