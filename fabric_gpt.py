@@ -346,22 +346,21 @@ def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Ten
     return loss_sum / len(micro_batches), float(norm) if norm is not None else math.nan, engine.skipped_steps > skipped_before
 
 
+def through_stages(fabric, stage, call, tokens: torch.Tensor) -> list:
+    """Give a pipeline schedule's `call` (step: forward and backward, or eval) this stage's part: the first stage
+    feeds the tokens, the last compares with them as targets. Returns the last stage's micro-batch losses."""
+    losses: list = []
+    with fabric.autocast():
+        call(*([tokens] if stage.first else []), **({"target": tokens, "losses": losses} if stage.last else {}))
+    return losses
+
+
 def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[torch.Tensor, float, bool]:
     """One pipeline step: the schedule runs every micro-batch through the stages (GPipe or 1F1B) and
     backward; then tied and data-parallel gradients are combined, clipped and stepped."""
     fabric, cfg = run.fabric, run.cfg
     mesh, stage = fabric.strategy.device_mesh, strategies.local_module(model, cfg.strategy)
-    tokens = torch.cat(micro_batches)
-    losses: list = []
-    with fabric.autocast():
-        if stage.first and stage.last:
-            schedule.step(tokens, target=tokens, losses=losses)
-        elif stage.first:
-            schedule.step(tokens)
-        elif stage.last:
-            schedule.step(target=tokens, losses=losses)
-        else:
-            schedule.step()
+    losses = through_stages(fabric, stage, schedule.step, torch.cat(micro_batches))
     strategies.sync_tied_embedding(stage, mesh)
     strategies.all_reduce_pipeline_grads(stage, mesh)
     norm = (strategies.clip_grad_norm if cfg.grad_clip else lambda m, c, f, _: strategies.grad_norm(m, c, f))(
@@ -392,16 +391,7 @@ def evaluate(run: Run, model, val_loader, schedule=None) -> float:
 
 def pipeline_eval_loss(fabric, model, cfg: Config, schedule, tokens: torch.Tensor) -> torch.Tensor:
     """A forward of the micro-batches through the stages; only the last stage has the loss (0 elsewhere)."""
-    stage, losses = strategies.local_module(model, cfg.strategy), []
-    with fabric.autocast():
-        if stage.first and stage.last:
-            schedule.eval(tokens, target=tokens, losses=losses)
-        elif stage.first:
-            schedule.eval(tokens)
-        elif stage.last:
-            schedule.eval(target=tokens, losses=losses)
-        else:
-            schedule.eval()
+    losses = through_stages(fabric, strategies.local_module(model, cfg.strategy), schedule.eval, tokens)
     return torch.stack(losses).float().mean() if losses else torch.zeros((), device=fabric.device)
 
 
