@@ -81,8 +81,10 @@ class Config:
     grad_accum: int = opt(1, "micro-batches per optimizer step (pp: micro-batches in flight)", min=1)
     steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0)
     seed: int = opt(1234, "seed of the weights and the data", min=0)
-    optimizer: str = opt("adamw", "adamw (betas 0.9/0.95), or plain sgd (exact parity checks)", ("adamw", "sgd"),
+    optimizer: str = opt("adamw", "adamw (betas 0.9/--beta2), or plain sgd (exact parity checks)", ("adamw", "sgd"),
                          group="optimisation")
+    beta2: float = opt(0.95, "AdamW's second-moment decay (GPT-2/3 recipes 0.95; nanoGPT's small models 0.99)", min=0,
+                       below=1)
     lr: float = opt(0.0, "peak learning rate (0: 5e-4 for 1.6b, as the course, else 6e-4)", min=0)
     warmup_steps: int = opt(2, "linear warm-up steps before the cosine decay", min=0)
     weight_decay: float = opt(0.1, "AdamW weight decay on matrices", min=0)
@@ -139,6 +141,9 @@ RUNTIME_FIELDS = {"text", "tokenizer", "data_dir", "eval_every", "eval_batches",
                   "temperature", "top_k", "devices", "num_nodes", "node_timeout", "compile", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
                   "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "requeue_signal", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
+
+
+ADDED_FIELDS = {"beta2": 0.95}  # settings newer than some checkpoints: the value those runs used
 
 
 def resolve(cfg: Config) -> Config:
@@ -268,7 +273,7 @@ def make_val_dataset(cfg: Config):
 
 # ----------------------------------------------------------------------------- optimizer
 def make_optimizer(cfg: Config, model, device: torch.device):
-    """AdamW (betas 0.9/0.95) with weight decay on matrices only, or plain SGD. Under offload the step runs
+    """AdamW (betas 0.9/--beta2) with weight decay on matrices only, or plain SGD. Under offload the step runs
     on the CPU, where DeepSpeed requires its own vectorized CPU Adam; on CUDA the fused kernel is used."""
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -278,13 +283,13 @@ def make_optimizer(cfg: Config, model, device: torch.device):
     if cfg.strategy.endswith("_offload"):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=(0.9, 0.95), adamw_mode=True)
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), adamw_mode=True)
     mixed_tensors = cfg.strategy in ("tp", "fsdp_tp")  # DTensor and plain parameters cannot share one foreach kernel
     # fused AdamW unscales inside its kernel, and Fabric then refuses to unscale for clipping under 16-mixed
     fused = device.type == "cuda" and not mixed_tensors and cfg.precision != "16-mixed"
     # foreach on CPU too (torch picks it only for CUDA): one kernel per update over all tensors, not ~10 per tensor;
     # 20% of a CPU step of the nanoGPT recipe (python bench.py text)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused,
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), fused=fused,
                              foreach=None if fused else not mixed_tensors)
 
 
@@ -918,7 +923,7 @@ def run(cfg: Config) -> dict:
     state = {"model": strategies.local_module(model, cfg.strategy) if cfg.strategy == "pp" else model,
              "optimizer": optimizer, "progress": progress}
     run = Run(fabric, cfg, "gpt", RUNTIME_FIELDS, state, check_config=lambda saved: check_resume(saved, cfg),
-              per_rank_checkpoints=cfg.strategy == "pp", identity=text_identity(cfg))
+              per_rank_checkpoints=cfg.strategy == "pp", identity=text_identity(cfg), added_fields=ADDED_FIELDS)
     run.start()
     if cfg.dataset == "text" and fabric.is_global_zero:  # the run carries its tokenizer: --sample and hf/ read it
         text_corpus.save_tokenizer(prepared_text(cfg), run.dir)

@@ -320,3 +320,40 @@ def test_every_strategy_sees_the_same_text_and_validation(tmp_path, text_dir, st
     greedy_one = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "one",
                                 "--max-new-tokens", "10", "--top-k", "1")
     assert sample.stdout.split(":\n\n", 1)[1] == greedy_one.stdout.split(":\n\n", 1)[1]  # gathered weights, same text
+
+
+# ----------------------------------------------------------------------------- against nanoGPT
+def test_beta2_reaches_adamw_and_a_run_saved_before_it_existed_resumes(tmp_path):
+    cfg = gpt.resolve(gpt.parse_args(["--model", "tiny", "--beta2", "0.99"]))
+    optimizer = gpt.make_optimizer(cfg, gpt.build_model(cfg), __import__("torch").device("cpu"))
+    assert all(g["betas"] == (0.9, 0.99) for g in optimizer.param_groups)
+    args = ["--model", "tiny", "--accelerator", "cpu", "--num-samples", "16", "--out-dir", tmp_path, "--run-name", "old",
+            "--checkpoint-every", "1", "--steps", "1"]
+    run_in_process("fabric_gpt.py", *args)
+    for config_file in (tmp_path / "old" / "checkpoints").glob("step-*/config.json"):  # as before --beta2 existed
+        config = json.loads(config_file.read_text())
+        del config["beta2"]
+        config_file.write_text(json.dumps(config))
+    changed = run_in_process("fabric_gpt.py", *args[:-1], "2", "--resume", "auto", "--beta2", "0.99", check=False)
+    assert changed.returncode == 1 and "beta2: checkpoint 0.95 vs now 0.99" in changed.stderr
+    run_in_process("fabric_gpt.py", *args[:-1], "2", "--resume", "auto")  # its 0.95 is the default: it goes on
+
+
+@pytest.mark.slow
+def test_the_nanogpt_bench_races_the_same_recipe_on_the_same_windows(tmp_path, text_dir):
+    """`bench.py text` cut to a few steps: nanoGPT's loop and fabric_gpt.py train nanoGPT's recipe on the same
+    prepared tokens and are scored on the same fixed validation windows (the speed is the benchmark's, not the test's)."""
+    run_script("bench.py", "--out-dir", tmp_path, "text", "--steps", "6", "--data-dir", text_dir)
+    bench_json = json.loads((tmp_path / "bench-text" / "bench.json").read_text())
+    reference = bench_json["results"]["nanoGPT (nanogpt_reference.py)"][0]
+    ours = json.loads((tmp_path / "bench-text" / "eager-0" / "record.json").read_text())
+    recipe, config = reference["recipe"], ours["config"]
+    assert (recipe["learning_rate"], recipe["beta2"], recipe["warmup_iters"], recipe["block_size"], recipe["batch_size"],
+            recipe["n_layer"], recipe["n_head"], recipe["n_embd"]) == (
+        config["lr"], config["beta2"], config["warmup_steps"], config["seq_len"], config["micro_batch_size"],
+        config["n_layer"], config["n_head"], config["n_embd"])
+    assert config["eval_batches"] * config["micro_batch_size"] == 2400 and config["seed"] + 1 == 1235
+    for name, runs in bench_json["results"].items():  # 6 steps from uniform over 84 characters (4.43)
+        assert 2.5 < runs[0]["val_loss"] < 4.43 and runs[0]["tokens_per_s"] > 0, name
+    table = (tmp_path / "bench-text" / "table.md").read_text()
+    assert "| nanoGPT (nanogpt_reference.py) |" in table and "| fabric_gpt.py --compile |" in table
