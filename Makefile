@@ -29,7 +29,7 @@ SAMPLE_FLAGS = $(if $(PROMPT),--prompt '$(PROMPT)') $(call flag,NEW_TOKENS,--max
 	$(call flag,TOP_K,--top-k) $(call flag,SEED,--seed)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab gpu-check data text sample lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt export plan gpt-plan bench-gpt report clean
+.PHONY: help setup lab gpu-check data text sample lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt export plan gpt-plan bench-gpt bench-text report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -121,6 +121,9 @@ gpt-plan: plan ## the same as make plan (its earlier name)
 
 bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
 	$(PY) bench.py gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
+
+bench-text: $(SETUP) ## nanoGPT's shakespeare_char CPU recipe: fabric_gpt.py (eager, compiled) against nanoGPT's loop
+	$(PY) bench.py text $(call flag,STEPS,--steps) $(call flag,DATA_DIR,--data-dir) $(ARGS)
 
 report: $(SETUP) ## write report/REPORT.md with figures from the runs under runs/
 	$(PY) report.py --runs $(RUNS) --out report $(ARGS)

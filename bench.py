@@ -3,8 +3,10 @@
     python bench.py lenet                                   # samples/s of both data paths, time to 99.0%
     python bench.py gpt --model tiny --devices 2 --accelerator cpu   # strategy x precision sweep
     python bench.py gpt --model 1.6b --devices 8 --precisions bf16-mixed   # the same on GPUs
+    python bench.py text                                    # nanoGPT's shakespeare_char CPU recipe, against nanoGPT
 
-Results go to runs/bench-lenet/ and runs/bench-gpt-<model>-<devices>x<accelerator>/ (table.md + JSON).
+Results go to runs/bench-lenet/, runs/bench-gpt-<model>-<devices>x<accelerator>/ and runs/bench-text/ (table.md +
+JSON).
 """
 
 import argparse
@@ -280,6 +282,61 @@ def memory_pair(rec: dict, on_cpu: bool) -> tuple[float, float]:
     return rec["memory"]["max_allocated_gb"], rec["planned_gb"]
 
 
+# ----------------------------------------------------------------------------- text
+# nanoGPT's shakespeare_char recipe on a CPU (its README: block 64, batch 12, 4 layers of 4 heads and width 128,
+# 2000 iterations, no dropout; its config: lr 1e-3 with 100 warm-up steps and cosine to 1e-4, AdamW betas 0.9/0.99,
+# weight decay 0.1, clip 1.0), in fabric_gpt.py's flags
+NANOGPT_RECIPE = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--n-head", "4", "--seq-len", "64",
+                  "--micro-batch-size", "12", "--dropout", "0", "--lr", "1e-3", "--warmup-steps", "100", "--beta2",
+                  "0.99", "--tokenizer", "char", "--precision", "32-true", "--accelerator", "cpu"]
+
+
+def bench_text(args) -> None:
+    """nanoGPT's shakespeare_char CPU recipe trained by nanogpt_reference.py (nanoGPT's train.py as one plain loop)
+    and by fabric_gpt.py, eager and compiled, on the same prepared tokens; the cases alternate over --repeats rounds
+    (a shared machine's speed drifts) and the table gives the median tokens/s of each, and each one's validation
+    loss on the same 200 x 12 fixed validation windows."""
+    import text_corpus
+
+    out = Path(args.out_dir) / "bench-text"
+    text_corpus.prepare("", "char", 0, args.data_dir)  # once, before the cases
+    common = [*NANOGPT_RECIPE, "--steps", args.steps, "--data-dir", args.data_dir, "--eval-batches", 200,
+              "--log-every", max(1, args.steps // 4), "--out-dir", out, *args.extra]
+    cases = {"fabric_gpt.py": common, "fabric_gpt.py --compile": [*common, "--compile"]}
+    results: dict = {name: [] for name in ["nanoGPT (nanogpt_reference.py)", *cases]}
+    for round_ in progress(range(args.repeats), "text bench"):
+        folder = out / f"nanogpt-{round_}"
+        folder.mkdir(parents=True, exist_ok=True)
+        code, last = run("nanogpt_reference.py", ["--data-dir", args.data_dir, "--out", folder / "record.json",
+                                                  "--max-iters", args.steps])
+        if code:
+            sys.exit(f"error: nanogpt_reference.py failed: {last}")
+        results["nanoGPT (nanogpt_reference.py)"].append(json.loads((folder / "record.json").read_text()))
+        for name, flags in cases.items():
+            run_name = f"{'compiled' if '--compile' in flags else 'eager'}-{round_}"
+            code, last = run_case(out / run_name, False, "fabric_gpt.py", [*flags, "--run-name", run_name])
+            if code:
+                sys.exit(f"error: {name} failed: {last}")
+            record = read_record(out / run_name)
+            results[name].append({"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"]})
+        print(f"round {round_ + 1}/{args.repeats} done", flush=True)
+    base = statistics.median(r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"])
+    lines = [f"CPU: {cpu_label()}", "", f"nanoGPT's shakespeare_char CPU recipe, {args.steps} steps, median of "
+             f"{args.repeats} alternating round(s); validation loss on the same 2,400 fixed windows of 64 tokens:", "",
+             f"`python fabric_gpt.py {' '.join(map(str, NANOGPT_RECIPE))} --steps {args.steps}`", "",
+             "| trainer | val loss | tokens/s | vs nanoGPT |", "|---|---|---|---|"]
+    for name, runs in results.items():
+        speed = statistics.median(r["tokens_per_s"] for r in runs)
+        loss = statistics.median(r["val_loss"] for r in runs)
+        lines.append(f"| {name} | {loss:.4f} | {speed:,.0f} | {speed / base:.2f}x |")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.md").write_text(table + "\n")
+    write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "steps": args.steps, "recipe": NANOGPT_RECIPE,
+                                           "results": results})
+    print(f"wrote {out}/table.md and bench.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flags import Folder, Parser, choice, number
     from fabric_gpt import PRECISIONS, PRESETS, STRATEGIES
@@ -288,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default="runs", type=Folder(), help="folder for the benchmark runs and tables "
                         "(default: runs)")
     parser.add_argument("--keep", action="store_true", help="reuse the cases whose runs finished (an interrupted sweep continues)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{lenet,gpt}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{lenet,gpt,text}")
     lenet = sub.add_parser("lenet", help="LeNet-5: data paths and time to accuracy", description=bench_lenet.__doc__,
                            formatter_class=parser.formatter_class)
     lenet.add_argument("--steps", type=number(int, min=1), default=400, help="optimizer steps of the data-path cases "
@@ -314,7 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="NAME", help="precisions to run (default: 32-true bf16-mixed)")
     gpt.add_argument("extra", nargs="*", help="more fabric_gpt.py flags, after -- (checked by its parser)")
     gpt.set_defaults(func=bench_gpt)
-    for command in (lenet, gpt):  # the common flags also after the command, as `make bench-* ARGS=...` puts them
+    text = sub.add_parser("text", help="GPT-2 on Shakespeare: nanoGPT's CPU recipe against nanoGPT",
+                          description=bench_text.__doc__, formatter_class=parser.formatter_class)
+    text.add_argument("--steps", type=number(int, min=1), default=2000, help="optimizer steps (default: 2000, "
+                      "the recipe's)")
+    text.add_argument("--repeats", type=number(int, min=1), default=1, help="alternating rounds of the three "
+                      "trainers; the table takes medians (default: 1)")
+    text.add_argument("--data-dir", default="data/text", type=Folder(), help="the corpus and its prepared tokens "
+                      "(default: data/text; TEXT_MIRROR offline)")
+    text.add_argument("extra", nargs="*", help="more fabric_gpt.py flags, after -- (checked by its parser)")
+    text.set_defaults(func=bench_text)
+    for command in (lenet, gpt, text):  # the common flags also after the command, as `make bench-* ARGS=...` puts them
         command.add_argument("--out-dir", default=argparse.SUPPRESS, type=Folder(), help="as above, after the command")
         command.add_argument("--keep", action="store_true", default=argparse.SUPPRESS, help="as above, after the command")
     return parser
@@ -329,7 +396,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     import importlib
 
     args = build_parser().parse_args(argv)
-    importlib.import_module(f"fabric_{args.command}").parse_args(args.extra)
+    importlib.import_module(f"fabric_{'gpt' if args.command == 'text' else args.command}").parse_args(args.extra)
     return args
 
 

@@ -18,6 +18,7 @@ import fabric_lenet
 import flags
 import hf_export
 import lab
+import nanogpt_reference
 import report
 from gelu_ext import __main__ as gelu_main
 
@@ -29,6 +30,7 @@ PARSERS = {
     "lab.py": lab.build_parser,
     "datasets_local.py": datasets_local.build_parser,
     "hf_export.py": hf_export.build_parser,
+    "nanogpt_reference.py": nanogpt_reference.build_parser,
     "python -m gelu_ext": gelu_main.build_parser,
 }
 COMMAND_AFTER = {bench.build_parser: "gpt", gelu_main.build_parser: "check"}
