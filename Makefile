@@ -61,7 +61,7 @@ $(VENV)/.libaio: $(VENV)/.installed
 
 # Compiled once here rather than inside the first run (or test) that needs them: DeepSpeed's CPU ops and the
 # C++ GELU (each recompiles by itself if its sources or torch change).
-$(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp
+$(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
 	$(PY) -c "import strategies; strategies.build_cpu_ops()"
 	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')"
 	touch $@

@@ -269,12 +269,15 @@ def gpu_check(args) -> int:
                                        "--no-tb-images", "--out-dir", out, "--run-name", run], lenet_verdict)
 
     def gelu_verdict():
-        rows_ = json.loads((out / "gelu" / "check.json").read_text())["rows"]
+        checked = json.loads((out / "gelu" / "check.json").read_text())
+        rows_ = checked["rows"]
         bench = json.loads((out / "gelu" / "bench.json").read_text())["rows"]
         worst = max(r["forward_max_abs_err"] for r in rows_ if r["dtype"] == "float32")
         ratio = max(r["ratio"] for r in bench if r["impl"] == "gelu_cpp")
+        kernel = checked["env"].get("cuda_implementation", "?")
         return (all(r["gradcheck_float64"] for r in rows_) and worst < 1e-5,
-                f"max |dy| {worst:.1e} (float32), gradcheck float64 passed, time vs F.gelu up to {ratio:.2f}x")
+                f"max |dy| {worst:.1e} (float32), gradcheck float64 passed, {kernel}: time vs F.gelu up to {ratio:.2f}x "
+                "(float32, bf16, fp16; goal 1.1x)")
     if gpus >= 2:  # DataParallel's worker threads once ran bf16 autocast as float16; the record names what conv1 ran in
         def dp_verdict():
             r = record("lenet-dp-bf16")
@@ -286,8 +289,9 @@ def gpu_check(args) -> int:
     else:
         rows.append({"check": "LeNet-5 dp bf16-mixed", "verdict": "not run", "figure": "needs 2 GPUs", "seconds": 0})
 
-    check("C++ GELU on CUDA tensors", ["-m", "gelu_ext", "check", "--device", "cuda", "--out", out / "gelu"], gelu_verdict,
-          ["-m", "gelu_ext", "bench", "--device", "cuda", "--out", out / "gelu"])
+    dtypes = ["--dtypes", "float32", "bfloat16", "float16"]
+    check("C++ GELU on CUDA tensors", ["-m", "gelu_ext", "check", "--device", "cuda", "--out", out / "gelu", *dtypes],
+          gelu_verdict, ["-m", "gelu_ext", "bench", "--device", "cuda", "--out", out / "gelu", *dtypes])
 
     losses = lambda run: [loss for _, loss in record(run)["losses"]]  # noqa: E731
 

@@ -185,10 +185,10 @@ def section_gelu(rep: Report, runs: Path) -> None:
     if bench is None:
         rep.note("no GELU benchmark yet. Produce it with `make bench-gelu`.")
     else:
-        rep.add(f"Forward+backward on {bench['numel']:,} float32 elements (median of {bench['repeats']}):", "",
-                "| approximate | impl | ms | vs F.gelu |", "|---|---|---|---|")
-        for r in bench["rows"]:
-            rep.add(f"| {r['approximate']} | {r['impl']} | {r['ms']:.2f} | {r['ratio']:.2f}x |")
+        rep.add(f"Forward+backward on {bench['numel']:,} elements (median of {bench['repeats']}):", "",
+                "| dtype | approximate | impl | ms | vs F.gelu |", "|---|---|---|---|---|")
+        for r in bench["rows"]:  # records from before --dtypes timed float32 only
+            rep.add(f"| {r.get('dtype', 'float32')} | {r['approximate']} | {r['impl']} | {r['ms']:.2f} | {r['ratio']:.2f}x |")
         rep.add("")
 
 

@@ -20,6 +20,8 @@ from torch import nn
 APPROXIMATIONS = ("none", "tanh")
 IMPLS = ("torch", "py", "cpp")
 SOURCE = Path(__file__).with_name("gelu.cpp")
+CUDA_SOURCE = Path(__file__).with_name("gelu_cuda.cu")
+CUDA_ARCHS_WITHOUT_GPU = "8.0;9.0"  # no GPU to ask at build time: the course's A100 and the H100
 BUILD_ROOT = Path(os.environ.get("GELU_EXT_BUILD_DIR", Path(__file__).with_name("build")))
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -86,6 +88,30 @@ def _simd_flags() -> tuple[str, list[str]]:
     return "default", []
 
 
+def cuda_toolkit() -> str | None:
+    """The CUDA toolkit to compile gelu_cuda.cu with, when torch is a CUDA build: CUDA_HOME, /usr/local/cuda or the
+    one nvcc on PATH belongs to, whichever has nvcc and the runtime's headers. None: no toolkit, or GELU_EXT_CUDA=0."""
+    if torch.version.cuda is None or os.environ.get("GELU_EXT_CUDA", "1") == "0":
+        return None
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+                  str(Path(nvcc).resolve().parent.parent) if nvcc else None]
+    for home in filter(None, candidates):  # a wrapper script on PATH (/usr/local/bin/nvcc) is not the toolkit
+        if (Path(home) / "bin" / "nvcc").is_file() and (Path(home) / "include" / "cuda_runtime.h").is_file():
+            return home
+    return None
+
+
+def build_plan() -> tuple[str, list[str], list[str], list[str]]:
+    """(extension name, sources, C++ flags, nvcc flags): the CPU build for this CPU's instruction set, plus the CUDA
+    kernel where cuda_toolkit() finds a toolkit. Each variant builds into its own folder gelu_ext/build/<name>."""
+    tag, flags = _simd_flags()
+    if not cuda_toolkit():
+        return f"gelu_ext_cpp_{tag}", [str(SOURCE)], flags, []
+    return (f"gelu_ext_cpp_{tag}_cuda", [str(SOURCE), str(CUDA_SOURCE)], [*flags, "-DGELU_EXT_CUDA_KERNEL"],
+            ["-O3", "-DGELU_EXT_CUDA_KERNEL"])
+
+
 _loaded = False
 
 
@@ -103,24 +129,40 @@ def load_cpp(verbose: bool = False) -> None:
     if shutil.which(compiler) is None:
         raise GeluBuildError(f"gelu_cpp needs a C++ compiler, and {compiler!r} was not found on PATH. "
                              "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
-    from torch.utils.cpp_extension import load  # imported here: it is slow and only the C++ path needs it
+    from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
 
-    tag, flags = _simd_flags()
-    name = f"gelu_ext_cpp_{tag}"
+    name, sources, flags, cuda_flags = build_plan()
+    toolkit = cuda_toolkit()
+    if toolkit:
+        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = toolkit  # it guesses from PATH at import: maybe a wrapper
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = CUDA_ARCHS_WITHOUT_GPU
     build_dir = BUILD_ROOT / name
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(BUILD_ROOT / f"{name}.flock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         try:
-            load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                 build_directory=str(build_dir),
-                 is_python_module=False, verbose=verbose)
+            cpp_extension.load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", *flags],
+                               extra_ldflags=["-fopenmp"], extra_cuda_cflags=cuda_flags, with_cuda=bool(toolkit),
+                               build_directory=str(build_dir),
+                               is_python_module=False, verbose=verbose)
         except (RuntimeError, OSError) as e:
             raise GeluBuildError(f"building the gelu_ext C++ extension in {build_dir} failed: {e}. "
-                                 "Fix: read the compiler output above; delete that folder to rebuild from scratch.") from e
+                                 "Fix: read the compiler output above; delete that folder to rebuild from scratch"
+                                 + (f"; GELU_EXT_CUDA=0 builds without the CUDA kernel (toolkit {toolkit})" if toolkit
+                                    else "") + ".") from e
     _register_python_side()
     _loaded = True
+
+
+def cuda_implementation() -> str:
+    """What runs gelu_ext's ops on CUDA tensors, as the dispatcher has it: the kernels of gelu_cuda.cu, or the
+    composite of ATen ops in gelu.cpp (a build without the CUDA toolkit)."""
+    load_cpp()
+    cuda = next((line for line in torch._C._dispatch_dump("gelu_ext::gelu_forward").splitlines()
+                 if line.startswith("CUDA:")), "")
+    return "gelu_cuda.cu kernel" if CUDA_SOURCE.name in cuda else "ATen ops (built without nvcc)"
 
 
 def _is_dense(x: torch.Tensor) -> bool:

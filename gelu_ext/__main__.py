@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gelu_ext import APPROXIMATIONS, GeluBuildError, gelu_cpp, gelu_py, load_cpp
+from gelu_ext import APPROXIMATIONS, GeluBuildError, cuda_implementation, gelu_cpp, gelu_py, load_cpp
 
 
 
@@ -33,9 +33,11 @@ def environment() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
     return {"python": platform.python_version(), "torch": torch.__version__, "cpu": cpu,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_threads": torch.get_num_threads()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_threads": torch.get_num_threads(),
+            "cuda_implementation": cuda_implementation()}
 
 IMPLEMENTATIONS = {"py": gelu_py, "cpp": gelu_cpp}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def max_errors(fn, approximate: str, dtype: torch.dtype, device: str = "cpu", n: int = 1_000_000, seed: int = 0) -> dict:
@@ -68,7 +70,7 @@ def check(args) -> int:
     for name, fn in IMPLEMENTATIONS.items():
         for approximate in APPROXIMATIONS:
             ok = gradcheck(fn, approximate, args.device)
-            for dtype in (torch.float32, torch.float64):
+            for dtype in (torch.float32, torch.float64, *(getattr(torch, d) for d in args.dtypes if d != "float32")):
                 r = {"impl": name, "approximate": approximate, "dtype": str(dtype).removeprefix("torch."),
                      **max_errors(fn, approximate, dtype, args.device), "gradcheck_float64": ok, "device": args.device}
                 rows.append(r)
@@ -100,19 +102,20 @@ def time_interleaved(fns: dict, x: torch.Tensor, repeats: int, warmup: int = 3) 
 
 def bench(args) -> int:
     load_cpp()
-    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(args.device)
     rows = []
-    print(f"forward+backward of {args.numel:,} float32 elements on {args.device}, median of {args.repeats} interleaved repetitions "
+    print(f"forward+backward of {args.numel:,} elements on {args.device}, median of {args.repeats} interleaved repetitions "
           f"after warm-up, {torch.get_num_threads()} threads")
-    print(f"{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}")
-    for approximate in APPROXIMATIONS:
-        impls = {"F.gelu": lambda t: F.gelu(t, approximate=approximate),
-                 "gelu_py": lambda t: gelu_py(t, approximate), "gelu_cpp": lambda t: gelu_cpp(t, approximate)}
-        seconds = time_interleaved(impls, x, args.repeats)
-        for name, sec in seconds.items():
-            ratio = sec / seconds["F.gelu"]
-            rows.append({"approximate": approximate, "impl": name, "ms": 1e3 * sec, "ratio": ratio})
-            print(f"{approximate:<7}{name:<13}{1e3 * sec:>9.2f}{ratio:>10.2f}x")
+    print(f"{'dtype':<10}{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}")
+    for dtype in args.dtypes:
+        x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(args.device, getattr(torch, dtype))
+        for approximate in APPROXIMATIONS:
+            impls = {"F.gelu": lambda t: F.gelu(t, approximate=approximate),
+                     "gelu_py": lambda t: gelu_py(t, approximate), "gelu_cpp": lambda t: gelu_cpp(t, approximate)}
+            seconds = time_interleaved(impls, x, args.repeats)
+            for name, sec in seconds.items():
+                ratio = sec / seconds["F.gelu"]
+                rows.append({"dtype": dtype, "approximate": approximate, "impl": name, "ms": 1e3 * sec, "ratio": ratio})
+                print(f"{dtype:<10}{approximate:<7}{name:<13}{1e3 * sec:>9.2f}{ratio:>10.2f}x")
     write_json_atomic(f"{args.out}/bench.json", {"numel": args.numel, "repeats": args.repeats, "rows": rows, "device": args.device,
                                                  "env": environment()})
     print(f"wrote {args.out}/bench.json")
@@ -130,7 +133,10 @@ def build_parser():
                         "(default: 21)")
     parser.add_argument("--out", default="runs/gelu", type=Folder(), help="folder for the JSON record (default: runs/gelu)")
     parser.add_argument("--device", default="cpu", type=choice(("cpu", "cuda")), help="where the tensors live "
-                        "(default: cpu; cuda: the C++ op's CUDA path)")
+                        "(default: cpu; cuda: the C++ op's CUDA kernel, or its ATen fallback when built without nvcc)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], type=choice(DTYPES), metavar="DTYPE",
+                        help=f"bench: the dtypes timed; check: the reduced ones added to float32/float64 "
+                        f"({', '.join(DTYPES)}; default: float32)")
     return parser
 
 

@@ -11,7 +11,9 @@
 // is what lets Vectorized::erf run as SIMD code. float32/float64 run natively; each register of
 // float16/bfloat16 values is widened to two float32 registers, computed and narrowed back in the same
 // pass, as PyTorch does for reduced precision.
-// Tensors on other devices (CUDA) run a composition of ATen ops: correct, not a hand-written kernel.
+// CUDA tensors run the kernels of gelu_cuda.cu where the build had the CUDA toolkit (GELU_EXT_CUDA_KERNEL), else a
+// composition of ATen ops: correct, not a hand-written kernel. gelu_forward_scalar/gelu_backward_scalar run
+// gelu_math.h's one-value formulas (the CUDA kernel's body) over CPU tensors, so that CPU tests can check them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,8 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+
+#include "gelu_math.h"
 
 namespace gelu_ext {
 
@@ -199,6 +203,42 @@ at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, st
   return dx;
 }
 
+// The CUDA kernel's formulas (gelu_math.h), one value at a time on the CPU: a reference, not a fast path.
+at::Tensor gelu_forward_scalar_cpu(const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  const bool tanh_approx = is_tanh(approximate);
+  auto x = input.contiguous();
+  auto y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_forward_scalar", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < x.numel(); ++i) yp[i] = scalar_t(gelu_value(opmath_t(xp[i]), tanh_approx));
+  });
+  return y;
+}
+
+at::Tensor gelu_backward_scalar_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  check_input(grad, "grad");
+  TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
+              " differs from input shape ", input.sizes());
+  const bool tanh_approx = is_tanh(approximate);
+  auto x = input.contiguous();
+  auto g = grad.to(x.scalar_type()).contiguous();
+  auto dx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_backward_scalar", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* gp = g.const_data_ptr<scalar_t>();
+    scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      dp[i] = scalar_t(gelu_grad_value(opmath_t(gp[i]), opmath_t(xp[i]), tanh_approx));
+    }
+  });
+  return dx;
+}
+
 // Device-generic fallback (CUDA and others): the same formulas as ATen ops, computed in float32 or wider.
 at::Tensor gelu_forward_composite(const at::Tensor& input, std::string approximate) {
   check_input(input, "input");
@@ -228,16 +268,22 @@ at::Tensor gelu_backward_composite(const at::Tensor& grad, const at::Tensor& inp
 TORCH_LIBRARY(gelu_ext, m) {
   m.def("gelu_forward(Tensor input, str approximate) -> Tensor");
   m.def("gelu_backward(Tensor grad, Tensor input, str approximate) -> Tensor");
+  m.def("gelu_forward_scalar(Tensor input, str approximate) -> Tensor");
+  m.def("gelu_backward_scalar(Tensor grad, Tensor input, str approximate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gelu_ext, CPU, m) {
   m.impl("gelu_forward", &gelu_forward_cpu);
   m.impl("gelu_backward", &gelu_backward_cpu);
+  m.impl("gelu_forward_scalar", &gelu_forward_scalar_cpu);
+  m.impl("gelu_backward_scalar", &gelu_backward_scalar_cpu);
 }
 
+#ifndef GELU_EXT_CUDA_KERNEL  // built with the toolkit, gelu_cuda.cu registers its kernels instead
 TORCH_LIBRARY_IMPL(gelu_ext, CUDA, m) {
   m.impl("gelu_forward", &gelu_forward_composite);
   m.impl("gelu_backward", &gelu_backward_composite);
 }
+#endif
 
 }  // namespace gelu_ext

@@ -94,6 +94,33 @@ def test_cpp_op_is_registered_with_fake_kernel_and_compiles():
     torch.testing.assert_close(compiled(x), F.gelu(x) * 2)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_the_cuda_kernels_formula_matches_f_gelu_on_cpu(approximate, dtype):
+    """gelu_math.h, the CUDA kernel's body, run one value at a time on CPU tensors (gelu_*_scalar): forward and
+    input gradient against F.gelu and its autograd, reduced precisions computed in float as the kernel does."""
+    x, g = fresh_inputs(dtype), fresh_inputs(dtype, scale=1.0)
+    tol = 1e-12 if dtype == torch.float64 else TOL[dtype]
+    torch.testing.assert_close(torch.ops.gelu_ext.gelu_forward_scalar(x, approximate), F.gelu(x, approximate=approximate),
+                               atol=tol, rtol=tol)
+    xr = x.clone().requires_grad_()
+    F.gelu(xr, approximate=approximate).backward(g)
+    torch.testing.assert_close(torch.ops.gelu_ext.gelu_backward_scalar(g, x, approximate), xr.grad, atol=tol, rtol=tol)
+
+
+def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is():
+    """Build-only (no GPU here): with the CUDA toolkit, the extension holds device code for the course's GPUs and the
+    CUDA dispatch key runs gelu_cuda.cu's kernels, not the ATen-op fallback."""
+    if gelu_ext.cuda_toolkit() is None:
+        pytest.skip("no CUDA toolkit (nvcc) or a CPU-only torch: the CPU build is the whole extension here")
+    assert gelu_ext.cuda_implementation() == "gelu_cuda.cu kernel"
+    for op in ("gelu_forward", "gelu_backward"):
+        cuda = [line for line in torch._C._dispatch_dump(f"gelu_ext::{op}").splitlines() if line.startswith("CUDA:")]
+        assert len(cuda) == 1 and "gelu_cuda.cu" in cuda[0], cuda
+    library = next(line.split()[-1] for line in open("/proc/self/maps") if "gelu_ext_cpp_" in line)
+    assert library.endswith("_cuda.so") and b".nv_fatbin" in open(library, "rb").read()
+
+
 def test_missing_compiler_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(gelu_ext, "_loaded", False)
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
@@ -103,8 +130,7 @@ def test_missing_compiler_is_one_clear_error(monkeypatch):
 
 def test_stale_build_lock_does_not_block(tmp_path):
     """A build killed mid-way leaves `lock` behind (older torch releases wait on it forever); the next load must not hang."""
-    tag = gelu_ext._simd_flags()[0]
-    lock = gelu_ext.BUILD_ROOT / f"gelu_ext_cpp_{tag}" / "lock"
+    lock = gelu_ext.BUILD_ROOT / gelu_ext.build_plan()[0] / "lock"
     lock.write_text("")
     code = "import gelu_ext, torch; x = torch.randn(5); print(float((gelu_ext.gelu_cpp(x) - torch.nn.functional.gelu(x)).abs().max()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=gelu_ext.SOURCE.parent.parent, capture_output=True,

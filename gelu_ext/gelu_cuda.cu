@@ -1,0 +1,121 @@
+// GELU as CUDA kernels, registered for the CUDA dispatch key of gelu_ext::gelu_forward/gelu_backward when the
+// CUDA toolkit is present at build time (gelu_ext/__init__.py adds this file and -DGELU_EXT_CUDA_KERNEL; without
+// it gelu.cpp registers its composite of ATen ops). One thread computes kUnroll elements a block-width apart, so
+// each warp's loads stay coalesced and every thread has kUnroll loads in flight before its first store: the
+// kernel is memory-bound, like ATen's own GELU. The formula is gelu_math.h's, computed in float for
+// float16/bfloat16 (and float), in double for double.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: it needs cuBLAS/cuSPARSE headers a bare toolkit lacks
+#include <torch/library.h>
+
+#include <string>
+
+#include "gelu_math.h"
+
+namespace gelu_ext {
+
+at::Tensor dense(const at::Tensor& t);  // gelu.cpp
+void check_input(const at::Tensor& x, const char* name);
+bool is_tanh(const std::string& approximate);
+
+constexpr int kThreads = 256, kUnroll = 4;
+
+template <typename scalar_t>
+__global__ void forward_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t n, bool tanh_approx) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  for (int64_t base = int64_t(blockIdx.x) * kThreads * kUnroll; base < n; base += int64_t(gridDim.x) * kThreads * kUnroll) {
+    opmath_t v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t i = base + threadIdx.x + k * kThreads;
+      v[k] = i < n ? opmath_t(x[i]) : opmath_t(0);
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t i = base + threadIdx.x + k * kThreads;
+      if (i < n) y[i] = scalar_t(gelu_value(v[k], tanh_approx));
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void backward_kernel(const scalar_t* __restrict__ g, const scalar_t* __restrict__ x, scalar_t* __restrict__ dx,
+                                int64_t n, bool tanh_approx) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  for (int64_t base = int64_t(blockIdx.x) * kThreads * kUnroll; base < n; base += int64_t(gridDim.x) * kThreads * kUnroll) {
+    opmath_t gv[kUnroll], xv[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t i = base + threadIdx.x + k * kThreads;
+      gv[k] = i < n ? opmath_t(g[i]) : opmath_t(0);
+      xv[k] = i < n ? opmath_t(x[i]) : opmath_t(0);
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int64_t i = base + threadIdx.x + k * kThreads;
+      if (i < n) dx[i] = scalar_t(gelu_grad_value(gv[k], xv[k], tanh_approx));
+    }
+  }
+}
+
+// Enough blocks to fill every SM several times over; the grid-stride loop covers any n.
+unsigned blocks_for(int64_t n) {
+  const int64_t per_block = int64_t(kThreads) * kUnroll;
+  const int64_t wanted = (n + per_block - 1) / per_block;
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t cap = int64_t(sms) * 32;
+  return unsigned(std::max<int64_t>(1, std::min(wanted, cap)));
+}
+
+at::Tensor gelu_forward_cuda(const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  const bool tanh_approx = is_tanh(approximate);
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto x = dense(input);
+  auto y = at::empty_like(x);  // the same strides as x: element i of both storages is the same element
+  const int64_t n = x.numel();
+  if (n == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_forward_cuda", [&] {
+    forward_kernel<scalar_t><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), n, tanh_approx);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return y;
+}
+
+at::Tensor gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
+  check_input(input, "input");
+  check_input(grad, "grad");
+  TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(), " differs from input shape ",
+              input.sizes());
+  const bool tanh_approx = is_tanh(approximate);
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto x = dense(input);
+  auto g = grad.to(x.scalar_type());
+  if (g.strides() != x.strides()) {  // walk both storages in the same order
+    x = x.contiguous();
+    g = g.contiguous();
+  }
+  auto dx = at::empty_like(x);
+  const int64_t n = x.numel();
+  if (n == 0) return dx;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_backward_cuda", [&] {
+    backward_kernel<scalar_t><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(), n, tanh_approx);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return dx;
+}
+
+TORCH_LIBRARY_IMPL(gelu_ext, CUDA, m) {
+  m.impl("gelu_forward", &gelu_forward_cuda);
+  m.impl("gelu_backward", &gelu_backward_cuda);
+}
+
+}  // namespace gelu_ext
