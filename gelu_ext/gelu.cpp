@@ -62,13 +62,13 @@ template <typename T>
 inline Vectorized<T> erf_vec(const Vectorized<T>& z, Vectorized<T>* gauss = nullptr) {
   if constexpr (std::is_same_v<T, float>) {
     const Vectorized<float> one(1.f), p(0.3275911f), p1(0.254829592f), p2(-0.284496736f), p3(1.421413741f),
-        p4(-1.453152027f), p5(1.061405429f), zero(0.f);
-    const auto t = one / at::vec::fmadd(p, z.abs(), one);
+        p4(-1.453152027f), p5(1.061405429f), neg_zero(-0.f);
+    const auto sign = z & neg_zero;  // erf is odd: computed on |z|, the sign bit put back (two bit operations)
+    const auto t = one / at::vec::fmadd(p, z ^ sign, one);
     const auto r = at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(p5, t, p4), t, p3), t, p2), t, p1);
-    const auto e = (zero - z * z).exp_u20();
+    const auto e = ((z * z) ^ neg_zero).exp_u20();
     if (gauss) *gauss = e;
-    const auto y = one - r * t * e;
-    return Vectorized<float>::blendv(y, zero - y, z < zero);
+    return at::vec::fnmadd(r * t, e, one) ^ sign;
   } else {
     if (gauss) *gauss = (Vectorized<T>(T(0)) - z * z).exp();
     return z.erf();
