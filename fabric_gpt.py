@@ -41,8 +41,8 @@ from comm_counter import CommCounter
 from flags import ConfigError, opt
 from hardware import check_hardware, cpu_name, uses_gpu
 from ranks import check_launcher, launch
-from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StopRequest, nonfinite_message, requeue_flag,
-                       resume_flag, run_main, step_of)
+from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StopRequest, any_rank, nonfinite_message,
+                       requeue_flag, resume_flag, run_main, step_of)
 from strategies import STRATEGIES, is_deepspeed
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -302,9 +302,10 @@ def lr_at(step: int, cfg: Config, total_steps: int) -> float:
 
 
 # ----------------------------------------------------------------------------- one optimizer step
-def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, float, bool]:
+def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """DDP, FSDP2, TP and single process: accumulate, then clip and step. Returns (mean loss, grad norm,
-    skipped): under 16-mixed the loss scaler skips a step whose gradients overflowed and halves the scale."""
+    skipped), the first two on the device, unread: under 16-mixed the loss scaler skips a step whose gradients
+    overflowed and halves the scale (reading the scale is that precision's one host sync a step)."""
     fabric, cfg = run.fabric, run.cfg
     loss_sum = torch.zeros((), device=fabric.device)
     for i, tokens in enumerate(micro_batches):
@@ -316,8 +317,9 @@ def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch
     scaler = loss_scaler(fabric)
     scale = scaler.get_scale() if scaler else None
     if cfg.grad_clip and cfg.strategy in ("auto", "ddp"):
-        # unscales under 16-mixed; an overflow's infinite norm is the scaler's to handle, not an error
-        norm = float(fabric.clip_gradients(model, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=scaler is None))
+        # unscales under 16-mixed; a non-finite norm is not an error here: an overflow is the scaler's to handle, and
+        # train() reports any other at its next log point (raising here would read the norm every step)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
     elif cfg.grad_clip:
         norm = strategies.clip_grad_norm(model, cfg, fabric, cfg.grad_clip)
     else:
@@ -334,7 +336,7 @@ def loss_scaler(fabric):
     return getattr(fabric.strategy.precision, "scaler", None)
 
 
-def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, float, bool]:
+def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The DeepSpeed engine counts micro-batches (gradient_accumulation_steps), scales the loss, clips and
     steps the ZeRO optimizer only at the boundary, where its fp16 loss scaler may skip an overflowed step.
     Fabric's optimizer.step() would call the ZeRO optimizer directly, every micro-batch; its
@@ -348,7 +350,8 @@ def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Ten
         engine.step()
         loss_sum += loss.detach()
     norm = engine.get_global_grad_norm()
-    return loss_sum / len(micro_batches), float(norm) if norm is not None else math.nan, engine.skipped_steps > skipped_before
+    return (loss_sum / len(micro_batches), torch.as_tensor(norm if norm is not None else math.nan),
+            engine.skipped_steps > skipped_before)
 
 
 def through_stages(fabric, stage, call, tokens: torch.Tensor) -> list:
@@ -360,7 +363,7 @@ def through_stages(fabric, stage, call, tokens: torch.Tensor) -> list:
     return losses
 
 
-def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[torch.Tensor, float, bool]:
+def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One pipeline step: the schedule runs every micro-batch through the stages (GPipe or 1F1B) and
     backward; then tied and data-parallel gradients are combined, clipped and stepped."""
     fabric, cfg = run.fabric, run.cfg
@@ -401,6 +404,30 @@ def pipeline_eval_loss(fabric, model, cfg: Config, schedule, tokens: torch.Tenso
 
 
 # ----------------------------------------------------------------------------- training
+def first_nonfinite(bad, step: int, loss: torch.Tensor, norm: torch.Tensor, skipped: bool):
+    """(first step whose loss or gradient norm was not finite, 0 for none yet; that step's loss), kept on the device
+    so that a step needs no host read. An infinite norm in a step the loss scaler skipped is the overflow it exists
+    to absorb, not a failure."""
+    loss = loss.detach().float()
+    if bad is None:
+        bad = (torch.zeros((), dtype=torch.long, device=loss.device), torch.zeros((), device=loss.device))
+    failed = ~torch.isfinite(loss)
+    if not skipped:
+        failed = failed | ~torch.isfinite(norm.to(loss.device))
+    new = failed & (bad[0] == 0)
+    return torch.where(new, step, bad[0]), torch.where(new, loss, bad[1])
+
+
+def raise_if_nonfinite(run: Run, bad, total_steps: int) -> None:
+    """NonFiniteLoss, naming the first non-finite step, where any rank had one (all ranks agree and stop)."""
+    step, loss = (int(bad[0]), float(bad[1])) if bad is not None else (0, 0.0)
+    (any_failed,) = any_rank(run.fabric, step != 0)
+    if any_failed:
+        step = step or run.state["progress"].step  # another rank's failure: stopped here at this step
+        raise NonFiniteLoss(nonfinite_message(loss if not math.isfinite(loss) else math.nan, step, f"of {total_steps}",
+                                              run.last_checkpoint, run.cfg.precision))
+
+
 STEADY_STEP = 2  # steps a process takes before its traffic repeats: DDP rebuilds its buckets in its second
 
 
@@ -413,6 +440,7 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
     tokens_per_step = samples_per_step(cfg) * cfg.seq_len
     batches = itertools.islice(iter(loader), progress.step * cfg.grad_accum, None)
     steps_here, timed_time, timed_steps, comms, disk = 0, 0.0, 0, None, {}
+    bad = None  # (first step with a non-finite loss or gradient norm, 0 for none; its loss) on the device
     while progress.step < stop_at:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, cfg, total_steps)
@@ -443,25 +471,27 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             timed_time, timed_steps = timed_time + step_time, timed_steps + 1
         step = progress.step
         progress.skipped_steps += skipped
-        # Every step, before any save: a NaN state must never be checkpointed as "good". An infinite gradient
-        # norm in a step the loss scaler skipped is the overflow it exists to absorb.
-        local = float(loss)
-        stopping, nonfinite = run.stop.requested(fabric, not math.isfinite(local) or not (math.isfinite(norm) or skipped))
-        if nonfinite:
-            raise NonFiniteLoss(nonfinite_message(local if not math.isfinite(local) else math.nan, step,
-                                                  f"of {total_steps}", run.last_checkpoint, cfg.precision))
-        if step % cfg.log_every == 0 or step == stop_at:
-            loss_value = mean_loss(fabric, cfg, loss)
+        bad = first_nonfinite(bad, step, loss, norm, skipped)
+        log_due = step % cfg.log_every == 0 or step == stop_at
+        eval_due = validate_now and ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop_at)
+        save_due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at
+        (stopping,) = run.stop.requested(fabric)
+        if log_due or eval_due or save_due or stopping:
+            # Read on the host only here (each read waits for the device): a NaN state must never be logged as
+            # progress or checkpointed as "good", and the message names the first step that went wrong
+            raise_if_nonfinite(run, bad, total_steps)
+        if log_due:
+            loss_value, norm_value = mean_loss(fabric, cfg, loss), float(norm)
             progress.losses.append([step, loss_value])
-            progress.grad_norms.append([step, norm])
-            log_step(run, step, stop_at, loss_value, norm, step_time, tokens_per_step, flops, skipped)
-        if validate_now and ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop_at):
+            progress.grad_norms.append([step, norm_value])
+            log_step(run, step, stop_at, loss_value, norm_value, step_time, tokens_per_step, flops, skipped)
+        if eval_due:
             val = validate_now()
             progress.val_losses.append([step, val])
             run.logger.log_metrics({"val/loss": val}, step=step)
             fabric.print(f"step {step:>4}/{stop_at} | val loss {val:.4f} over {cfg.eval_batches} x "
                          f"{samples_per_step(cfg)} fixed windows")
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping or step == stop_at:
+        if save_due or stopping:
             run.save(step)
         if stopping:
             raise run.stopped()

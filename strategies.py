@@ -420,12 +420,13 @@ def local_module(model, strategy: str) -> nn.Module:
     return model._forward_module if strategy == "pp" else getattr(model, "module", model)
 
 
-def grad_norm(model, cfg, fabric) -> float:
+def grad_norm(model, cfg, fabric) -> torch.Tensor:
     """The global L2 norm of the gradient, the same quantity for every strategy: sharded gradients are
-    combined across ranks, tied and replicated ones counted once."""
+    combined across ranks, tied and replicated ones counted once. A 0-dim tensor on the device, not read here:
+    the training loop reads it at log points only (each read waits for the device)."""
     if is_deepspeed(cfg.strategy):
         norm = model._forward_module.get_global_grad_norm() if hasattr(model, "_forward_module") else None
-        return float(norm) if norm is not None else float("nan")
+        return torch.tensor(float(norm) if norm is not None else float("nan"))
     from torch.distributed.tensor import DTensor
 
     square = torch.zeros((), dtype=torch.float64, device=fabric.device)
@@ -444,18 +445,18 @@ def grad_norm(model, cfg, fabric) -> float:
         # stages hold disjoint parameters; data-parallel replicas hold the same, so divide them out
         dist.all_reduce(square)
         square /= data_parallel_size(cfg)
-    return float(square.sqrt())
+    return square.sqrt()
 
 
-def clip_grad_norm(model, cfg, fabric, max_norm: float) -> float:
+def clip_grad_norm(model, cfg, fabric, max_norm: float) -> torch.Tensor:
     """Clip to max_norm by the global norm above (torch's clip_grad_norm_ cannot mix DTensor and plain
-    gradients, nor see the other pipeline stages)."""
+    gradients, nor see the other pipeline stages). As torch's, without reading the norm on the host: every
+    gradient is multiplied by min(1, max_norm / norm), exactly 1.0 when the norm is within bounds."""
     norm = grad_norm(model, cfg, fabric)
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1:
-        for p in local_module(model, cfg.strategy).parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in local_module(model, cfg.strategy).parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))  # a 0-dim tensor: DTensor gradients take it as a replicated scalar
     return norm
 
 

@@ -850,3 +850,75 @@ def test_mfu_of_a_bf16_run_without_bf16_instructions_is_a_share(tmp_path):
     rec = record(tmp_path, "caps")
     assert 0 < rec["mfu"] <= 1, rec["mfu"]
     assert rec["peak_flops_source"].startswith("measured CPU matmul probe, best of bf16 addmm, bf16 matmul")
+
+
+# ----------------------------------------------------------------------------- host reads
+READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
+
+
+def host_reads(monkeypatch, *args) -> dict:
+    """Every read of a tensor's value on the host during train() of a run (on a GPU each one waits for the device),
+    by (method, function that read). Left out: torch.optim's step counters, which live on the host unless the
+    optimizer is capturable or fused (then no read at all), and torch.compile's own compile-time reads."""
+    import collections
+    import traceback
+
+    counts, active = collections.Counter(), [False]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, _original=original, _name=name, **k):
+            if active[0]:
+                frame = traceback.extract_stack(limit=2)[0]
+                if not any(part in frame.filename for part in ("torch/optim/", "torch/_inductor/", "torch/_dynamo/")):
+                    counts[(_name, frame.name)] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    train = gpt.train
+
+    def counted(*a, **k):
+        active[0] = True
+        try:
+            return train(*a, **k)
+        finally:
+            active[0] = False
+    monkeypatch.setattr(gpt, "train", counted)
+    run_in_process("fabric_gpt.py", *args)
+    monkeypatch.undo()
+    return dict(counts)
+
+
+def per_step_reads(monkeypatch, tmp_path, *flags) -> dict:
+    """Reads that a run of 8 steps makes beyond a run of 4 (one log point, at the end, in both)."""
+    common = ["--model", "tiny", "--n-embd", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "32", "--accelerator",
+              "cpu", "--num-samples", "64", "--micro-batch-size", "4", "--log-every", "1000", "--out-dir", tmp_path, *flags]
+    short = host_reads(monkeypatch, *common, "--steps", "4", "--run-name", "short")
+    long = host_reads(monkeypatch, *common, "--steps", "8", "--run-name", "long")
+    return {k: long.get(k, 0) - short.get(k, 0) for k in {*short, *long} if long.get(k, 0) != short.get(k, 0)}
+
+
+def test_a_gpt_step_reads_no_device_value_between_log_points(tmp_path, monkeypatch):
+    """No host sync of its own in a step: the loss, the gradient norm and the non-finite check stay on the device
+    until a log point, an evaluation or a checkpoint. What is left eagerly is transformers' own packed-sequence check
+    (masking_utils.find_packed_sequence_indices), one per forward; --compile traces it away (the next test)."""
+    assert per_step_reads(monkeypatch, tmp_path) == {("__bool__", "find_packed_sequence_indices"): 4}
+    assert per_step_reads(monkeypatch, tmp_path / "accum", "--grad-accum", "2") == {
+        ("__bool__", "find_packed_sequence_indices"): 8}
+
+
+@pytest.mark.slow
+def test_compiled_steps_read_nothing_and_match_eager(tmp_path, monkeypatch):
+    assert per_step_reads(monkeypatch, tmp_path / "compiled", "--compile") == {}
+    per_step_reads(monkeypatch, tmp_path / "eager")
+    eager, compiled = (json.loads((tmp_path / d / "long" / "record.json").read_text()) for d in ("eager", "compiled"))
+    assert compiled["losses"][-1][1] == pytest.approx(eager["losses"][-1][1], rel=1e-4)
+
+
+def test_a_nan_between_log_points_is_named_by_its_step_and_never_saved(tmp_path):
+    """The non-finite check is read at log points and before saves only: the NaN of step 2 stops the run at the
+    next check point (step 5), whose message names step 2, with nothing saved."""
+    proc = run_gpt(tmp_path, "nan", "--optimizer", "sgd", "--lr", "1e12", "--grad-clip", "0", "--log-every", "5",
+                   "--checkpoint-every", "5", check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "loss became nan at step 2 (of 12)" in last and "no checkpoint was saved" in last
+    assert not list((tmp_path / "nan").glob("checkpoints/step-*"))
