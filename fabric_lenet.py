@@ -211,12 +211,17 @@ def samples_trained(progress: Progress, n_samples: int, cfg: Config, world: int)
     return progress.epoch * padded_epoch(n_samples, world) + progress.step_in_epoch * cfg.batch_size
 
 
-def random_shift(x: torch.Tensor, generator: torch.Generator, pad: int = 2) -> torch.Tensor:
+# The value of a black pixel after normalization: MNIST's background, every image's minimum. A constant, so
+# that no step reads the batch's minimum back from the device.
+BACKGROUND = float(datasets_local.normalize(torch.zeros(1, 1, 1, dtype=torch.uint8)))
+
+
+def random_shift(x: torch.Tensor, generator: torch.Generator, fill: float = BACKGROUND, pad: int = 2) -> torch.Tensor:
     """Translate each image by up to `pad` pixels in each direction, filling with the background value.
     Two views of windows (unfold) and one index per image each: an element-wise gather over all pixels
     cost about 15x more, a tenth of the training step."""
     n, _, h, w = x.shape
-    padded = F.pad(x, (pad, pad, pad, pad), value=float(x.min()))
+    padded = F.pad(x, (pad, pad, pad, pad), value=fill)
     oy, ox = (torch.randint(0, 2 * pad + 1, (2, n), generator=generator)).to(x.device)
     at = torch.arange(n, device=x.device)
     rows = padded[:, 0].unfold(1, h, 1)[at, oy]  # (n, w + 2 pad, h): each image's window of rows, column-major
@@ -267,6 +272,25 @@ def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) 
             "misclassified": wrong[:64]}
 
 
+def fold_losses(run: Run, pending: list, epoch: int) -> float:
+    """The losses of the steps since the last check point, read from the device in one transfer (a step reads
+    nothing): each finite one added to the epoch's running mean in step order, exactly as if added every step (a
+    resumed run's mean matches the uninterrupted one's), and a non-finite one, on any rank, stops the run naming its
+    step before anything is logged or saved. Returns the last step's loss (this rank's shard; the mean is rank 0's)."""
+    progress: Progress = run.state["progress"]
+    values = torch.stack([loss.float() for _, loss, _ in pending]).tolist() if pending else []
+    bad = next(((step, v) for (step, _, _), v in zip(pending, values) if not math.isfinite(v)), None)
+    (nonfinite,) = any_rank(run.fabric, bad is not None)
+    if nonfinite:
+        step, loss = bad or (progress.global_step, math.nan)  # another rank may have seen it
+        raise NonFiniteLoss(nonfinite_message(loss, step, f"epoch {epoch + 1}", run.last_checkpoint, run.cfg.precision))
+    for (_, _, n), value in zip(pending, values):
+        progress.loss_sum += value * n
+        progress.loss_count += n
+    pending.clear()
+    return values[-1] if values else math.nan
+
+
 def train(run: Run, model, optimizer, scheduler, data) -> dict:
     """The epoch loop: resumes at run.state["progress"], evaluates each epoch, checkpoints, stops on request."""
     fabric, cfg = run.fabric, run.cfg
@@ -274,7 +298,7 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
     progress: Progress = run.state["progress"]
     world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
     epoch_steps = steps_per_epoch(len(train_set), cfg, world)
-    result = {}
+    result, pending = {}, []  # pending: (step, loss on the device, samples) since the last check point
     while progress.epoch < cfg.epochs:
         epoch = progress.epoch
         order = epoch_order(len(train_set), epoch, cfg, fabric.global_rank, world)
@@ -301,18 +325,15 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
             progress.step_in_epoch += 1
             progress.global_step += 1
             step, seen = progress.global_step, seen + len(yb) * world
-            # Every step, before any save: a NaN state must never be checkpointed as "good".
-            loss_value = float(loss.detach())  # this rank's shard; the running mean uses rank 0's
-            if math.isfinite(loss_value):
-                progress.loss_sum += loss_value * len(yb)
-                progress.loss_count += len(yb)
-            if step % cfg.log_every == 0:
-                run.logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
-            # One all-reduce answers both: did any rank get a stop signal, or a non-finite loss?
-            stopping, nonfinite = run.stop.requested(fabric, not math.isfinite(loss_value))
-            if nonfinite:
-                bad = loss_value if not math.isfinite(loss_value) else math.nan  # another rank may have seen it
-                raise NonFiniteLoss(nonfinite_message(bad, step, f"epoch {epoch + 1}", run.last_checkpoint, cfg.precision))
+            pending.append((step, loss.detach(), len(yb)))  # read at the next check point, not now
+            (stopping,) = run.stop.requested(fabric)
+            last = cfg.max_steps and step >= cfg.max_steps
+            log_due = step % cfg.log_every == 0
+            if log_due or stopping or last or (cfg.eval_every and step % cfg.eval_every == 0) or (
+                    cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                loss_value = fold_losses(run, pending, epoch)
+                if log_due:
+                    run.logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
             if cfg.eval_every and step % cfg.eval_every == 0:
                 with clock.paused():
                     log_eval(run, evaluate(fabric, model, test_tensors), epoch, step, progress.train_time_s)
@@ -321,9 +342,10 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
                     run.save(step)
             if stopping:
                 raise run.stopped()
-            if cfg.max_steps and step >= cfg.max_steps:
+            if last:
                 break
             t_fetch = time.perf_counter()
+        fold_losses(run, pending, epoch)  # an epoch's last steps
         clock.pause()
         epoch_time = progress.train_time_s - epoch_start_time
         finished_epoch = progress.step_in_epoch >= epoch_steps

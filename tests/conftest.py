@@ -143,3 +143,41 @@ def read_summary(run_dir: Path) -> dict:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process, DeepSpeed or large-model runs; `make test-fast` leaves them out")
+
+
+READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
+
+
+def host_reads(monkeypatch, script_module, *args) -> dict:
+    """Every read of a tensor's value on the host during the train() of a run of `script_module` (on a GPU each
+    one waits for the device), by (method, function that read). Left out: torch.optim's step counters, which live
+    on the host unless the optimizer is capturable or fused (then no read at all), and torch.compile's own
+    compile-time reads."""
+    import collections
+    import traceback
+
+    import torch
+
+    counts, active = collections.Counter(), [False]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, _original=original, _name=name, **k):
+            if active[0]:
+                frame = traceback.extract_stack(limit=2)[0]
+                if not any(part in frame.filename for part in ("torch/optim/", "torch/_inductor/", "torch/_dynamo/")):
+                    counts[(_name, frame.name)] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    train = script_module.train
+
+    def counted(*a, **k):
+        active[0] = True
+        try:
+            return train(*a, **k)
+        finally:
+            active[0] = False
+    monkeypatch.setattr(script_module, "train", counted)
+    run_in_process(f"{script_module.__name__}.py", *args)
+    monkeypatch.undo()
+    return dict(counts)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port, run_in_process, run_nodes, run_script
+from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run_script
 import accounting
 import comm_counter
 import fabric_gpt as gpt
@@ -853,47 +853,12 @@ def test_mfu_of_a_bf16_run_without_bf16_instructions_is_a_share(tmp_path):
 
 
 # ----------------------------------------------------------------------------- host reads
-READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
-
-
-def host_reads(monkeypatch, *args) -> dict:
-    """Every read of a tensor's value on the host during train() of a run (on a GPU each one waits for the device),
-    by (method, function that read). Left out: torch.optim's step counters, which live on the host unless the
-    optimizer is capturable or fused (then no read at all), and torch.compile's own compile-time reads."""
-    import collections
-    import traceback
-
-    counts, active = collections.Counter(), [False]
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *a, _original=original, _name=name, **k):
-            if active[0]:
-                frame = traceback.extract_stack(limit=2)[0]
-                if not any(part in frame.filename for part in ("torch/optim/", "torch/_inductor/", "torch/_dynamo/")):
-                    counts[(_name, frame.name)] += 1
-            return _original(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, read)
-    train = gpt.train
-
-    def counted(*a, **k):
-        active[0] = True
-        try:
-            return train(*a, **k)
-        finally:
-            active[0] = False
-    monkeypatch.setattr(gpt, "train", counted)
-    run_in_process("fabric_gpt.py", *args)
-    monkeypatch.undo()
-    return dict(counts)
-
-
 def per_step_reads(monkeypatch, tmp_path, *flags) -> dict:
     """Reads that a run of 8 steps makes beyond a run of 4 (one log point, at the end, in both)."""
     common = ["--model", "tiny", "--n-embd", "64", "--n-layer", "2", "--n-head", "2", "--seq-len", "32", "--accelerator",
               "cpu", "--num-samples", "64", "--micro-batch-size", "4", "--log-every", "1000", "--out-dir", tmp_path, *flags]
-    short = host_reads(monkeypatch, *common, "--steps", "4", "--run-name", "short")
-    long = host_reads(monkeypatch, *common, "--steps", "8", "--run-name", "long")
+    short = host_reads(monkeypatch, gpt, *common, "--steps", "4", "--run-name", "short")
+    long = host_reads(monkeypatch, gpt, *common, "--steps", "8", "--run-name", "long")
     return {k: long.get(k, 0) - short.get(k, 0) for k in {*short, *long} if long.get(k, 0) != short.get(k, 0)}
 
 

@@ -1,6 +1,7 @@
 """fabric_lenet.py: the model, real training on real MNIST, 2-process DDP against 1 process, bad flags."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 
 from conftest import REPO, read_summary, run_in_process, run_script
 import fabric_lenet
-from fabric_lenet import Config, LeNet5, epoch_order, random_shift
+from fabric_lenet import BACKGROUND, Config, LeNet5, epoch_order, random_shift
 
 QUICK = ["--precision", "32-true", "--no-augment", "--no-tb-images", "--accelerator", "cpu"]
 
@@ -66,7 +67,7 @@ def test_tensorboard_images_show_the_real_channels_only(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from fabric_lenet import evaluate, log_images
+    from fabric_lenet import BACKGROUND, evaluate, log_images
 
     model = LeNet5(Config())
     x, y = torch.randn(40, 1, 28, 28), torch.randint(0, 10, (40,))
@@ -109,17 +110,24 @@ def test_two_processes_finish_when_the_samples_do_not_split_evenly(mnist_dir, tm
 
 def test_random_shift_is_a_crop_of_the_padded_image():
     x = torch.randn(64, 1, 28, 28)
-    shifted = random_shift(x, torch.Generator().manual_seed(5))
+    shifted = random_shift(x, torch.Generator().manual_seed(5), fill=float(x.min()))
     oy, ox = torch.randint(0, 5, (2, 64), generator=torch.Generator().manual_seed(5))  # the same draws
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2), value=float(x.min()))
     for i in range(64):
         assert torch.equal(shifted[i], padded[i, :, oy[i]:oy[i] + 28, ox[i]:ox[i] + 28])
 
 
+def test_the_background_is_every_mnist_images_minimum(mnist_dir):
+    import datasets_local
+
+    images = datasets_local.normalize(datasets_local.MNIST(mnist_dir, train=False).images[:500])
+    assert torch.equal(images.amin((1, 2, 3)), torch.full((500,), BACKGROUND))
+
+
 def test_random_shift_moves_content():
     x = torch.zeros(4, 1, 28, 28)
     x[:, :, 10:18, 10:18] = 1
-    shifted = random_shift(x, torch.Generator().manual_seed(0))
+    shifted = random_shift(x, torch.Generator().manual_seed(0), fill=0.0)
     assert shifted.shape == x.shape and torch.equal(shifted.sum((1, 2, 3)), x.sum((1, 2, 3)))
     assert not torch.equal(shifted, x)
 
@@ -289,3 +297,26 @@ def test_help_explains_every_flag(capsys):
         assert (f"--[no-]{name}" if field.type is bool else f"--{name}") in text
     assert "global batch: split evenly across all processes (default: 512)" in text
     assert "relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/) (default: relu)" in text
+
+
+def test_a_lenet_step_reads_no_device_value_between_check_points(mnist_dir, tmp_path, monkeypatch):
+    """The loss stays on the device until a log point, evaluation or checkpoint (one transfer for all the steps
+    since the last), and the shifts fill with a constant background: a run of 60 more steps reads nothing more
+    (the end-of-epoch evaluation reads per batch of test images that hold a mistake: not per training step)."""
+    from conftest import host_reads
+
+    common = ["--epochs", "1", "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--log-every", "1000",
+              "--accelerator", "cpu"]
+    short = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "30", "--run-name", "short")
+    long = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "90", "--run-name", "long")
+    training = lambda reads: {k: v for k, v in reads.items() if k[1] != "evaluate"}  # noqa: E731
+    assert training(long) == training(short) == {("tolist", "fold_losses"): 1}, (short, long)
+
+
+def test_a_nan_in_lenet_is_named_by_its_step_at_the_next_check_point(mnist_dir, tmp_path):
+    proc = run_in_process("fabric_lenet.py", "--epochs", "1", "--max-steps", "12", "--lr", "1e12", "--optimizer", "sgd",
+                          "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "nan",
+                          "--log-every", "10", "--checkpoint-every", "10", check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    step = int(re.search(r"at step (\d+)", last).group(1))
+    assert proc.returncode == 1 and "loss became" in last and step < 10 and "no checkpoint was saved" in last, last
