@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "gelu_math.h"
 
@@ -176,18 +177,24 @@ at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
   return y;
 }
 
-at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
+// The backward's operands (CPU and CUDA kernels): x dense, g in x's dtype, both walked in the same storage order.
+std::pair<at::Tensor, at::Tensor> backward_operands(const at::Tensor& grad, const at::Tensor& input) {
   check_input(input, "input");
   check_input(grad, "grad");
   TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
               " differs from input shape ", input.sizes());
-  const bool tanh_approx = is_tanh(approximate);
   auto x = dense(input);
   auto g = grad.to(x.scalar_type());
-  if (g.strides() != x.strides()) {  // walk both storages in the same order
+  if (g.strides() != x.strides()) {
     x = x.contiguous();
     g = g.contiguous();
   }
+  return {x, g};
+}
+
+at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
+  const bool tanh_approx = is_tanh(approximate);
+  auto [x, g] = backward_operands(grad, input);
   auto dx = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_backward", [&] {
     using opmath_t = at::opmath_type<scalar_t>;

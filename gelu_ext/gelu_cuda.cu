@@ -13,14 +13,17 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 
 #include "gelu_math.h"
 
 namespace gelu_ext {
 
-at::Tensor dense(const at::Tensor& t);  // gelu.cpp
+// gelu.cpp's
+at::Tensor dense(const at::Tensor& t);
 void check_input(const at::Tensor& x, const char* name);
 bool is_tanh(const std::string& approximate);
+std::pair<at::Tensor, at::Tensor> backward_operands(const at::Tensor& grad, const at::Tensor& input);
 
 constexpr int kThreads = 256, kUnroll = 4;
 
@@ -90,18 +93,9 @@ at::Tensor gelu_forward_cuda(const at::Tensor& input, std::string approximate) {
 }
 
 at::Tensor gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
-  check_input(input, "input");
-  check_input(grad, "grad");
-  TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(), " differs from input shape ",
-              input.sizes());
   const bool tanh_approx = is_tanh(approximate);
   const c10::cuda::CUDAGuard guard(input.device());
-  auto x = dense(input);
-  auto g = grad.to(x.scalar_type());
-  if (g.strides() != x.strides()) {  // walk both storages in the same order
-    x = x.contiguous();
-    g = g.contiguous();
-  }
+  auto [x, g] = backward_operands(grad, input);
   auto dx = at::empty_like(x);
   const int64_t n = x.numel();
   if (n == 0) return dx;
