@@ -91,6 +91,11 @@ def deepspeed_config(cfg) -> dict:
 
 # `make setup` unpacks Debian's libaio here, only when the system has no libaio-dev (no root needed)
 VENV_LIBAIO = Path(sys.prefix) / "libaio" / "usr"
+# DeepSpeed compiles its ops into torch's extension cache, ~/.cache/torch_extensions unless told: one folder for
+# every checkout and venv of a machine, each of which then rebuilds the ops for its own paths, minutes during
+# which a run's other ranks give up at the rendezvous. Inside a venv (`make setup`) the ops live in the venv.
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def use_venv_libaio() -> None:
