@@ -887,3 +887,17 @@ def test_a_nan_between_log_points_is_named_by_its_step_and_never_saved(tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "loss became nan at step 2 (of 12)" in last and "no checkpoint was saved" in last
     assert not list((tmp_path / "nan").glob("checkpoints/step-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, micro", [("tp", "2"), ("fsdp", "1")])
+def test_clipping_on_the_device_equals_one_process(tmp_path, strategy, micro):
+    """AdamW with --grad-clip 1 where the gradient norm is above 1: clipping by min(1, max/norm) on the device, on
+    DTensor gradients (tp, fsdp), gives the single process's losses (Fabric's clip_grad_norm_ there)."""
+    common = ["--lr", "1e-2", "--log-every", "1", "--grad-clip", "1"]
+    run_gpt(tmp_path, "one", *common, "--micro-batch-size", "2")
+    run_gpt(tmp_path, strategy, *common, "--strategy", strategy, "--devices", "2", "--micro-batch-size", micro)
+    one, many = (json.loads((tmp_path / n / "record.json").read_text()) for n in ("one", strategy))
+    assert max(n for _, n in one["grad_norms"]) > 1.5  # clipping was at work
+    assert [loss for _, loss in many["losses"]] == pytest.approx([loss for _, loss in one["losses"]], rel=1e-4)
+    assert [n for _, n in many["grad_norms"]] == pytest.approx([n for _, n in one["grad_norms"]], rel=1e-3)
