@@ -349,9 +349,8 @@ def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Ten
         fabric.backward(loss)
         engine.step()
         loss_sum += loss.detach()
-    norm = engine.get_global_grad_norm()
-    return (loss_sum / len(micro_batches), torch.as_tensor(norm if norm is not None else math.nan),
-            engine.skipped_steps > skipped_before)
+    norm = strategies.grad_norm(model, run.cfg, fabric)
+    return loss_sum / len(micro_batches), norm, engine.skipped_steps > skipped_before
 
 
 def through_stages(fabric, stage, call, tokens: torch.Tensor) -> list:
@@ -404,13 +403,11 @@ def pipeline_eval_loss(fabric, model, cfg: Config, schedule, tokens: torch.Tenso
 
 
 # ----------------------------------------------------------------------------- training
-def first_nonfinite(bad, step: int, loss: torch.Tensor, norm: torch.Tensor, skipped: bool):
+def first_nonfinite(bad: tuple, step: int, loss: torch.Tensor, norm: torch.Tensor, skipped: bool) -> tuple:
     """(first step whose loss or gradient norm was not finite, 0 for none yet; that step's loss), kept on the device
     so that a step needs no host read. An infinite norm in a step the loss scaler skipped is the overflow it exists
     to absorb, not a failure."""
     loss = loss.detach().float()
-    if bad is None:
-        bad = (torch.zeros((), dtype=torch.long, device=loss.device), torch.zeros((), device=loss.device))
     failed = ~torch.isfinite(loss)
     if not skipped:
         failed = failed | ~torch.isfinite(norm.to(loss.device))
@@ -418,9 +415,9 @@ def first_nonfinite(bad, step: int, loss: torch.Tensor, norm: torch.Tensor, skip
     return torch.where(new, step, bad[0]), torch.where(new, loss, bad[1])
 
 
-def raise_if_nonfinite(run: Run, bad, total_steps: int) -> None:
+def raise_if_nonfinite(run: Run, bad: tuple, total_steps: int) -> None:
     """NonFiniteLoss, naming the first non-finite step, where any rank had one (all ranks agree and stop)."""
-    step, loss = (int(bad[0]), float(bad[1])) if bad is not None else (0, 0.0)
+    step, loss = int(bad[0]), float(bad[1])
     (any_failed,) = any_rank(run.fabric, step != 0)
     if any_failed:
         step = step or run.state["progress"].step  # another rank's failure: stopped here at this step
@@ -440,7 +437,8 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
     tokens_per_step = samples_per_step(cfg) * cfg.seq_len
     batches = itertools.islice(iter(loader), progress.step * cfg.grad_accum, None)
     steps_here, timed_time, timed_steps, comms, disk = 0, 0.0, 0, None, {}
-    bad = None  # (first step with a non-finite loss or gradient norm, 0 for none; its loss) on the device
+    # (first step with a non-finite loss or gradient norm, 0 for none; its loss), on the device: first_nonfinite
+    bad = (torch.zeros((), dtype=torch.long, device=fabric.device), torch.zeros((), device=fabric.device))
     while progress.step < stop_at:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, cfg, total_steps)

@@ -331,15 +331,16 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
             (stopping,) = run.stop.requested(fabric)
             last = cfg.max_steps and step >= cfg.max_steps
             log_due = step % cfg.log_every == 0
-            if log_due or stopping or last or (cfg.eval_every and step % cfg.eval_every == 0) or (
-                    cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            eval_due = cfg.eval_every and step % cfg.eval_every == 0
+            save_due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping
+            if log_due or eval_due or save_due or last:
                 loss_value = fold_losses(run, pending, epoch)
                 if log_due:
                     run.logger.log_metrics({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0]}, step=step)
-            if cfg.eval_every and step % cfg.eval_every == 0:
+            if eval_due:
                 with clock.paused():
                     log_eval(run, evaluate(fabric, model, test_tensors), epoch, step, progress.train_time_s)
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping:
+            if save_due:
                 with clock.paused():
                     run.save(step)
             if stopping:

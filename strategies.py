@@ -431,7 +431,7 @@ def grad_norm(model, cfg, fabric) -> torch.Tensor:
     the training loop reads it at log points only (each read waits for the device)."""
     if is_deepspeed(cfg.strategy):
         norm = model._forward_module.get_global_grad_norm() if hasattr(model, "_forward_module") else None
-        return torch.tensor(float(norm) if norm is not None else float("nan"))
+        return torch.as_tensor(norm if norm is not None else float("nan"))  # the engine's, as it holds it
     from torch.distributed.tensor import DTensor
 
     square = torch.zeros((), dtype=torch.float64, device=fabric.device)

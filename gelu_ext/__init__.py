@@ -102,14 +102,15 @@ def cuda_toolkit() -> str | None:
     return None
 
 
-def build_plan() -> tuple[str, list[str], list[str], list[str]]:
-    """(extension name, sources, C++ flags, nvcc flags): the CPU build for this CPU's instruction set, plus the CUDA
-    kernel where cuda_toolkit() finds a toolkit. Each variant builds into its own folder gelu_ext/build/<name>."""
+def build_plan() -> tuple[str, list[str], list[str], list[str], str | None]:
+    """(extension name, sources, C++ flags, nvcc flags, CUDA toolkit): the CPU build for this CPU's instruction set,
+    plus the CUDA kernel where cuda_toolkit() finds a toolkit. Each variant builds into gelu_ext/build/<name>."""
     tag, flags = _simd_flags()
-    if not cuda_toolkit():
-        return f"gelu_ext_cpp_{tag}", [str(SOURCE)], flags, []
+    toolkit = cuda_toolkit()
+    if not toolkit:
+        return f"gelu_ext_cpp_{tag}", [str(SOURCE)], flags, [], None
     return (f"gelu_ext_cpp_{tag}_cuda", [str(SOURCE), str(CUDA_SOURCE)], [*flags, "-DGELU_EXT_CUDA_KERNEL"],
-            ["-O3", "-DGELU_EXT_CUDA_KERNEL"])
+            ["-O3", "-DGELU_EXT_CUDA_KERNEL"], toolkit)
 
 
 _loaded = False
@@ -131,8 +132,7 @@ def load_cpp(verbose: bool = False) -> None:
                              "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
 
-    name, sources, flags, cuda_flags = build_plan()
-    toolkit = cuda_toolkit()
+    name, sources, flags, cuda_flags, toolkit = build_plan()
     if toolkit:
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = toolkit  # it guesses from PATH at import: maybe a wrapper
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():

@@ -226,13 +226,8 @@ at::Tensor gelu_forward_scalar_cpu(const at::Tensor& input, std::string approxim
 }
 
 at::Tensor gelu_backward_scalar_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
-  check_input(input, "input");
-  check_input(grad, "grad");
-  TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
-              " differs from input shape ", input.sizes());
   const bool tanh_approx = is_tanh(approximate);
-  auto x = input.contiguous();
-  auto g = grad.to(x.scalar_type()).contiguous();
+  auto [x, g] = backward_operands(grad, input);
   auto dx = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_backward_scalar", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
