@@ -7,7 +7,7 @@ import time
 import psutil
 import torch
 
-from strategies import data_parallel_size, is_deepspeed, pp_size, tp_size, zero_stage
+from strategies import data_parallel_size, fsdp_gathers_bf16, is_deepspeed, pp_size, tp_size, zero_stage
 
 # Dense (not sparse) peak FLOP/s per GPU from NVIDIA's datasheets, for the dtype the matmuls run in.
 # Lightning's get_available_flops lists some sparse figures (H100 NVL, H200) and misses names, so it is not used.
@@ -200,7 +200,8 @@ def model_states(cfg, P: int) -> dict:
     if cfg.strategy == "ddp" and N > 1:
         states["ddp_buckets"] = per * P  # DDP all-reduces from buckets that copy every gradient
     if cfg.strategy in ("fsdp", "fsdp_tp"):
-        states["gathered_layer"] = per * block_params(h) / t * 2  # one block's weights, then its gradients
+        # one block's weights, then its gradients (under bf16 gathering: bf16 weights, float32 gradients to reduce)
+        states["gathered_layer"] = (2 + 4 if fsdp_gathers_bf16(cfg) else 2 * per) * block_params(h) / t
     return states
 
 
@@ -236,11 +237,12 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
     autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy)
     w = 2 if half else 4
-    r = 4 if autocast or not half else 2
+    r = 4 if (autocast or not half) and not fsdp_gathers_bf16(cfg) else 2  # bf16 gathers: bf16 inside the blocks
     t, p = tp_size(cfg), pp_size(cfg)
     scores = 5 * a * s / h * w / 2 if attn_implementation == "eager" else 0
     per_layer = s * b * h * (2 * r + 2 * w + (12 * w + scores) / t)
-    weight_copies = 12 * h * h * 2 / t if autocast else 0  # per block, kept from forward to backward
+    # per block, kept from forward to backward (with bf16 gathers the block's own weights, freed and gathered again)
+    weight_copies = 12 * h * h * 2 / t if autocast and not fsdp_gathers_bf16(cfg) else 0
     head = s * b * h * (r + w) + (V * h * 2 if autocast else 0)  # ln_f's input and output; lm_head's weight copy
     # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward
     logits = s * b * V * (w + 4 + 4) / t

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import accounting
 from flags import ConfigError
-from strategies import data_parallel_size, is_deepspeed, pp_size, tp_size, zero_stage
+from strategies import data_parallel_size, fsdp_gathers_bf16, is_deepspeed, pp_size, tp_size, zero_stage
 
 GB = 1e9
 
@@ -234,8 +234,8 @@ def comm_table(cfg) -> list[dict]:
         # per block: attention's and the MLP's row-parallel outputs in forward, the column-parallel inputs'
         # gradients in backward (no sequence parallelism)
         rows.append(row("all_reduce", t, activation, 4 * cfg.n_layer * m, tp_link, "none"))
-        # the gradient norm: one scalar all-reduce per tensor-parallel (sharded) parameter
-        rows.append(row("all_reduce", t, 4, 6 * cfg.n_layer, tp_link, "none"))
+        # the gradient norm: the float64 squares of the tensor-parallel shards, summed in one all-reduce
+        rows.append(row("all_reduce", t, 8, 1, tp_link, "none"))
     if cfg.strategy == "pp":
         rows += pipeline_rows(cfg, params, p, dp, w)
     return merge(rows)
@@ -305,15 +305,25 @@ def optimizer_groups(cfg, params) -> list[int]:
 def fsdp_rows(cfg, params, dp, t, link) -> list[dict]:
     """FSDP2, one unit per block plus the root: a block is gathered before its forward and again before its
     backward (resharded after forward), the root once per micro-batch; each unit's gradient is reduce-scattered
-    once per step (no_backward_sync defers it to the last micro-batch). Every parameter is a DTensor, so the
-    gradient norm all-reduces one scalar per parameter tensor."""
+    once per step (no_backward_sync defers it to the last micro-batch); under bf16-mixed the blocks are gathered in
+    bf16, the root in float32, and gradients reduced in float32. The gradient norm sums the float64 squares
+    of the shards in one all-reduce: one number, two under fsdp_tp (the matrices split by tensor parallel too, and
+    the parameters it replicates)."""
     w, m = words(cfg), cfg.grad_accum
 
-    def shard(shape):  # dim 0 padded to a multiple of dp; tensor parallel has split the matrices t ways first
-        rows_ = -(-shape[0] // dp)
-        return rows_ * numel(shape[1:]) * w["param"]
+    def shard(shape):  # elements: dim 0 padded to a multiple of dp; tensor parallel has split the matrices first
+        return -(-shape[0] // dp) * numel(shape[1:])
 
-    tp_split = lambda name, shape: (shape[0], shape[1] // t) if len(shape) == 2 and "h." in name and t > 1 else shape  # noqa: E731
+    def tp_split(name, shape):  # what tensor parallel leaves a rank, as nn.Linear [out, in] (strategies.conv1d_to_linear)
+        if t == 1 or not name.startswith("h."):
+            return shape
+        if name.endswith(("c_attn.weight", "c_fc.weight")):  # column-parallel: the outputs split
+            return (shape[1] // t, shape[0])
+        if name.endswith(("c_attn.bias", "c_fc.bias")):
+            return (shape[0] // t,)
+        if name.endswith("c_proj.weight"):  # row-parallel: the inputs split, its bias replicated
+            return (shape[1], shape[0] // t)
+        return shape
     blocks: dict = {}
     root = 0
     for name, shape in params:
@@ -322,10 +332,14 @@ def fsdp_rows(cfg, params, dp, t, link) -> list[dict]:
             blocks[name.split(".")[1]] = blocks.get(name.split(".")[1], 0) + size
         else:
             root += size
-    rows = [row("all_gather", dp, root, m, link, "forward"), row("reduce_scatter", dp, root * dp, 1, link, "backward")]
+    # the blocks are gathered in bf16 under bf16-mixed (strategies.apply_fsdp); gradients reduce in the weights' word
+    gather = 2 if fsdp_gathers_bf16(cfg) else w["param"]
+    rows = [row("all_gather", dp, root * w["param"], m, link, "forward"),
+            row("reduce_scatter", dp, root * dp * w["grad"], 1, link, "backward")]
     for size in blocks.values():
-        rows += [row("all_gather", dp, size, 2 * m, link, "forward"), row("reduce_scatter", dp, size * dp, 1, link, "backward")]
-    rows.append(row("all_reduce", dp, 4, len(params), link, "none"))
+        rows += [row("all_gather", dp, size * gather, 2 * m, link, "forward"),
+                 row("reduce_scatter", dp, size * dp * w["grad"], 1, link, "backward")]
+    rows.append(row("all_reduce", dp, 8 * (2 if t > 1 else 1), 1, link, "none"))
     return rows
 
 

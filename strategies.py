@@ -49,6 +49,11 @@ def pp_size(cfg) -> int:
     return (cfg.pp_size or cfg.devices * cfg.num_nodes) if cfg.strategy == "pp" else 1
 
 
+def fsdp_gathers_bf16(cfg) -> bool:
+    """FSDP2 gathers the blocks in bf16 under bf16-mixed (apply_fsdp), not the float32 weights autocast would cast."""
+    return cfg.strategy in ("fsdp", "fsdp_tp") and cfg.precision == "bf16-mixed"
+
+
 def world_size(cfg) -> int:
     return cfg.devices * cfg.num_nodes
 
@@ -240,7 +245,7 @@ def parallelize(model: nn.Module, device_mesh, cfg) -> nn.Module:
     if cfg.strategy in ("tp", "fsdp_tp"):
         apply_tensor_parallel(model, device_mesh["tensor_parallel"], cfg.n_head)
     if cfg.strategy in ("fsdp", "fsdp_tp"):
-        apply_fsdp(model, device_mesh["data_parallel"])
+        apply_fsdp(model, device_mesh["data_parallel"], gather_bf16=fsdp_gathers_bf16(cfg))
     if cfg.strategy == "pp":  # only this stage's blocks travel to the device, never the whole model
         model = pipeline_stage_module(model, device_mesh["tensor_parallel"].get_local_rank(), pp_size(cfg)).to(device)
     return model
@@ -271,13 +276,19 @@ def check_placement(module: nn.Module, device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- FSDP2
-def apply_fsdp(model: nn.Module, dp_mesh) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, gather_bf16: bool = False) -> None:
     """One FSDP unit per transformer block, then the root (embeddings, final norm, tied LM head): each
-    block's parameters are gathered just before it runs and freed after, as the memory plan counts."""
-    from torch.distributed.fsdp import fully_shard
+    block's parameters are gathered just before it runs and freed after, as the memory plan counts.
+    Under bf16-mixed the blocks are gathered in bf16, what autocast casts their matmuls' weights to anyway: half the
+    bytes, and no bf16 copy of every block's weights kept for backward. Their gradients are reduced and accumulated
+    in float32; inside a block the residual stream is bf16 (FSDP casts a block's input; the CPU's LayerNorm takes no
+    float32 input with bf16 weights), as in torchtitan's recipe. The root stays float32 (embeddings, ln_f, the head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gather_bf16 \
+        else MixedPrecisionPolicy()
     for block in model.transformer.h:
-        fully_shard(block, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh)
 
 
@@ -432,18 +443,11 @@ def grad_norm(model, cfg, fabric) -> torch.Tensor:
     if is_deepspeed(cfg.strategy):
         norm = model._forward_module.get_global_grad_norm() if hasattr(model, "_forward_module") else None
         return torch.as_tensor(norm if norm is not None else float("nan"))  # the engine's, as it holds it
-    from torch.distributed.tensor import DTensor
-
-    square = torch.zeros((), dtype=torch.float64, device=fabric.device)
     module = local_module(model, cfg.strategy)
-    for name, p in module.named_parameters():
-        if p.grad is None:
-            continue
-        if cfg.strategy == "pp" and name == "lm_head.weight" and not module.first:
-            continue  # the tied embedding's copy: counted on the first stage
-        g = p.grad
-        n = torch.linalg.vector_norm(g.float())
-        square += (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
+    grads = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    if cfg.strategy == "pp" and not module.first:  # the tied embedding's copy: counted on the first stage
+        grads = [(name, g) for name, g in grads if name != "lm_head.weight"]
+    square = sharded_square_sum([g for _, g in grads], fabric.device)
     if cfg.strategy == "pp" and fabric.world_size > 1:
         import torch.distributed as dist
 
@@ -451,6 +455,44 @@ def grad_norm(model, cfg, fabric) -> torch.Tensor:
         dist.all_reduce(square)
         square /= data_parallel_size(cfg)
     return square.sqrt()
+
+
+def sharded_square_sum(grads: list, device: torch.device) -> torch.Tensor:
+    """The sum of squares of all gradients, float64 on the device, whole over the mesh. Each DTensor's local shard
+    is squared here and the partial sums are added across the mesh dimensions it is sharded over: one all-reduce
+    per dimension for all parameters together (a full_tensor() per parameter was one each, 964 for 80 layers).
+    Replicated dimensions are not summed (every rank holds the same values)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    partial: dict[tuple, torch.Tensor] = {}  # mesh dimensions to sum over -> this rank's sum of squares
+    groups: dict[str, object] = {}
+    for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):  # not a shard: reduce it whole
+            g = g.full_tensor()
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            # not replicated means split: Shard, and FSDP2's _StridedShard over a tensor-parallel split (not a Shard)
+            sharded = [i for i, p in enumerate(g.placements) if not p.is_replicate()]
+            dims = tuple(sorted(names[i] for i in sharded))
+            groups.update({names[i]: mesh.get_group(i) for i in sharded})
+            g = g.to_local()
+        else:
+            dims = ()
+        # in float32 without a float32 copy of a 16-bit gradient, as torch's clip_grad_norm_
+        n = torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+        partial[dims] = partial[dims] + n if dims in partial else n
+    # Dimension by dimension in name order (the same on every rank): the sums still to be added over it, in one
+    # call; afterwards sums left with the same remaining dimensions are one number
+    for name in sorted(groups):
+        keys = sorted(k for k in partial if k[:1] == (name,))
+        summed = torch.stack([partial.pop(k) for k in keys])
+        if groups[name].size() > 1:
+            dist.all_reduce(summed, group=groups[name])
+        for k, value in zip(keys, summed.unbind()):
+            partial[k[1:]] = partial[k[1:]] + value if k[1:] in partial else value
+    return sum(partial.values(), torch.zeros((), dtype=torch.float64, device=device))
 
 
 def clip_grad_norm(model, cfg, fabric, max_norm: float) -> torch.Tensor:

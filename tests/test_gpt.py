@@ -18,6 +18,7 @@ from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run
 import accounting
 import comm_counter
 import fabric_gpt as gpt
+import perf_model
 import strategies
 
 # A learnable sequence (each token is the previous + 1), so a wrong update would show in the losses.
@@ -901,3 +902,41 @@ def test_clipping_on_the_device_equals_one_process(tmp_path, strategy, micro):
     assert max(n for _, n in one["grad_norms"]) > 1.5  # clipping was at work
     assert [loss for _, loss in many["losses"]] == pytest.approx([loss for _, loss in one["losses"]], rel=1e-4)
     assert [n for _, n in many["grad_norms"]] == pytest.approx([n for _, n in one["grad_norms"]], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_two_dimensional_mesh_norm_is_one_call_per_dimension(single, tmp_path):
+    """fsdp_tp on 4 processes, 2 data-parallel x 2 tensor-parallel (the only layout where a gradient is sharded over
+    two mesh dimensions; 4 torchrun nodes of one process, as this machine has 2 cores): losses and gradient norms
+    equal one process's, and the norm's squares cross each dimension in one all-reduce (16 bytes over data parallel,
+    8 over tensor parallel), as the plan counts."""
+    run_nodes("fabric_gpt.py", *EXACT, "--out-dir", tmp_path, "--run-name", "2d", "--strategy", "fsdp_tp",
+              "--tp-size", "2", "--micro-batch-size", "2", "--count-comms", logs=tmp_path / "logs", nnodes=4)
+    ref, got = record(*single), record(tmp_path, "2d")
+    assert [l for _, l in got["losses"]] == pytest.approx([l for _, l in ref["losses"]], rel=1e-4)
+    assert [n for _, n in got["grad_norms"]] == pytest.approx([n for _, n in ref["grad_norms"]], rel=1e-4)
+    norms = [r for r in got["comm_counted"] if r["kind"] == "all_reduce" and r["bytes"] in (8, 16)]
+    assert sorted((r["group_size"], r["bytes"], r["count"]) for r in norms) == [(2, 8, 1), (2, 16, 1)]
+    assert comm_rows(got["comm_counted"]) == comm_rows(got["comm_planned"])
+
+
+@pytest.mark.slow
+def test_fsdp_gathers_blocks_in_bf16_under_bf16_mixed(tmp_path):
+    """Under bf16-mixed FSDP2 all-gathers the blocks in bf16 (half the float32 bytes, counted as planned) and
+    reduces gradients in float32; it trains as one process under autocast does, to bf16's rounding (inside a block
+    the residual stream is bf16 here)."""
+    common = ["--precision", "bf16-mixed", "--steps", "6", "--log-every", "1"]
+    run_gpt(tmp_path, "one", *common, "--micro-batch-size", "4")
+    run_gpt(tmp_path, "fsdp", *common, "--strategy", "fsdp", "--devices", "2", "--micro-batch-size", "1",
+            "--grad-accum", "2", "--count-comms")
+    got = record(tmp_path, "fsdp")
+    assert comm_rows(got["comm_counted"]) == comm_rows(got["comm_planned"])
+    fields = {f.name for f in gpt.dataclasses.fields(gpt.Config)}
+    cfg = gpt.resolve(gpt.Config(**{k: v for k, v in got["config"].items() if k in fields}))
+    cfg = gpt.dataclasses.replace(cfg, precision="32-true")
+    blocks = 2 * 2 * cfg.n_layer  # each block's gathers: 2 micro-batches x (forward, backward)
+    float32 = {r["bytes"] for r in perf_model.comm_table(cfg) if r["kind"] == "all_gather" and r["count"] == blocks}
+    bf16 = {r["bytes"] for r in got["comm_counted"] if r["kind"] == "all_gather" and r["count"] == blocks}
+    assert len(float32) == 1 and bf16 == {float32.pop() // 2}
+    assert losses(tmp_path, "fsdp") == pytest.approx(losses(tmp_path, "one"), rel=5e-3)
+    assert losses(tmp_path, "fsdp") != pytest.approx(losses(tmp_path, "one"), rel=1e-6)  # not float32's gathers
