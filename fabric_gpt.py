@@ -39,7 +39,7 @@ import text_corpus
 from accounting import count_parameters, gpt2_config
 from comm_counter import CommCounter
 from flags import ConfigError, opt
-from hardware import check_hardware, cpu_name, uses_gpu
+from hardware import check_hardware, cpu_name, sdpa_kernel, uses_gpu
 from ranks import check_launcher, launch
 from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StopRequest, any_rank, nonfinite_message,
                        requeue_flag, resume_flag, run_main, step_of)
@@ -891,6 +891,19 @@ def plan_only(cfg: Config) -> dict:
     return result
 
 
+def attention_kernel(cfg: Config, device: torch.device, implementation: str) -> str:
+    """The attention kernel this run's shape gets on its device (a rank's heads under tensor parallel), in the
+    dtype its matmuls run in: for the record, since PyTorch picks it silently (the 1.6B preset's head dimension 50
+    is not a multiple of 8, which some kernels need)."""
+    if implementation != "sdpa":
+        return f"{implementation} (transformers' own, scores materialised)"
+    dtype = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.precision,
+                                                                                                    torch.float32)
+    heads, head_dim = cfg.n_head // strategies.tp_size(cfg), cfg.n_embd // cfg.n_head
+    kernel = sdpa_kernel(device, dtype, heads, cfg.seq_len, head_dim, cfg.dropout)
+    return f"SDPA {kernel}, {heads} heads x {head_dim} dims x {cfg.seq_len} positions in {str(dtype).split('.')[-1]}"
+
+
 def fabric_precision(cfg: Config, on_gpu: bool) -> dict:
     """Fabric's precision arguments: 16-mixed as Fabric's own plugin with a GradScaler starting at
     2^--loss-scale-power (on CPU too, where Fabric would turn the name into bf16); other precisions, and
@@ -958,6 +971,8 @@ def run(cfg: Config) -> dict:
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
                  f"{micro} x {cfg.grad_accum} x {strategies.data_parallel_size(cfg)} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
+    attention = attention_kernel(cfg, fabric.device, attn)
+    fabric.print(f"attention: {attention}")
     announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
     with StopRequest(cfg.requeue_signal) as run.stop:
         result = train(run, model, optimizer, loader, total_steps, stop_at, flops, take_step, validate_now)
@@ -977,6 +992,7 @@ def run(cfg: Config) -> dict:
         record["text"] = {**text_identity(cfg), "corpus": prepared_text(cfg).corpus, "tokenizer": cfg.tokenizer,
                           "tokenizer_vocab": prepared_text(cfg).vocab_size, "train_tokens": prepared_text(cfg).train_tokens,
                           "val_tokens": prepared_text(cfg).val_tokens}
+    record["attention_kernel"] = attention
     record["model_build"] = "partitioned (deepspeed.zero.Init)" if strategies.zero_stage(cfg.strategy) == 3 else "whole on every rank"
     if cfg.nvme_path:  # what ZeRO-Infinity swapped during the optimizer steps, all ranks together, per step
         record["disk_io_per_step_bytes"] = {k: float(fabric.all_reduce(torch.tensor(v, dtype=torch.float64, device=fabric.device),

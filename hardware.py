@@ -82,3 +82,32 @@ def isa_caps() -> dict:
     """The instruction-set caps in force (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): they change the kernels as much as
     another CPU would (AVX2 alone: bf16 autocast 8.7x slower), so every measurement of this machine is keyed by them."""
     return {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}
+
+
+# The kernel behind F.scaled_dot_product_attention, by the ATen operation it dispatches to
+SDPA_KERNELS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+                "_scaled_dot_product_efficient_attention": "memory-efficient", "_scaled_dot_product_cudnn_attention": "cuDNN",
+                "_scaled_dot_product_fused_attention_overrideable": "fused (device's own)"}
+
+
+def sdpa_kernel(device: torch.device, dtype: torch.dtype, heads: int, seq_len: int, head_dim: int,
+                dropout: float = 0.0) -> str:
+    """Which SDPA kernel runs for one micro-batch row of this attention shape (causal, as GPT-2's, with gradients):
+    PyTorch picks among flash, memory-efficient, cuDNN and the unfused math by dtype, head dimension and device,
+    and says nothing unless asked. Found by running it once and watching the ATen operations it dispatches to."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, heads, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    with Seen() as seen:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+    found = [SDPA_KERNELS[op] for op in seen.ops if op in SDPA_KERNELS]
+    return found[0] if found else "math (unfused: the scores are materialised)"

@@ -373,7 +373,8 @@ def big_model_verdict(r: dict) -> tuple[bool, str]:
     return (not math.isnan(r["final_loss"]) and mem <= 1.25 * r["planned_gb"], step +
             f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / {r['tflops_per_device_8n']:.1f} "
             f"(8N), {mfu}, training peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB"
-            + (f" (set-up peak {setup:.1f})" if setup is not None else ""))
+            + (f" (set-up peak {setup:.1f})" if setup is not None else "")
+            + (f"; attention {r['attention_kernel']}" if r.get("attention_kernel") else ""))
 
 
 def nvidia_smi() -> str:

@@ -940,3 +940,15 @@ def test_fsdp_gathers_blocks_in_bf16_under_bf16_mixed(tmp_path):
     assert len(float32) == 1 and bf16 == {float32.pop() // 2}
     assert losses(tmp_path, "fsdp") == pytest.approx(losses(tmp_path, "one"), rel=5e-3)
     assert losses(tmp_path, "fsdp") != pytest.approx(losses(tmp_path, "one"), rel=1e-6)  # not float32's gathers
+
+
+def test_the_record_names_the_attention_kernel_that_ran(tmp_path):
+    """PyTorch picks the SDPA kernel silently; the run records which one its shape got (here the CPU's flash kernel,
+    and the unfused math one once dropout is on, which the CPU's flash kernel does not take), and the 1.6B preset's
+    head dimension of 50 is named."""
+    run_gpt(tmp_path, "plain", "--steps", "2")
+    run_gpt(tmp_path, "dropout", "--steps", "2", "--dropout", "0.1")
+    assert record(tmp_path, "plain")["attention_kernel"].startswith("SDPA flash (CPU), 4 heads x 16 dims x 64 positions")
+    assert record(tmp_path, "dropout")["attention_kernel"].startswith("SDPA math")
+    cfg = gpt.resolve(gpt.Config(model="1.6b", precision="bf16-mixed", seq_len=128))
+    assert "32 heads x 50 dims x 128 positions in bfloat16" in gpt.attention_kernel(cfg, torch.device("cpu"), "sdpa")
