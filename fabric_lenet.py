@@ -8,6 +8,7 @@
 Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json and record.json. Notes: docs/lenet.md.
 """
 
+import contextlib
 import ctypes
 import json
 import math
@@ -54,6 +55,11 @@ class Config:
     precision: str = opt("auto", "auto (bf16-mixed on GPUs, the faster of two on CPUs: docs/lenet.md), 32-true, "
                          "16-mixed, bf16-mixed, bf16-true, 64-true", PRECISIONS)
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
+    compile_mode: str = opt("default", "torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: "
+                            "each step's kernels replayed at once, not launched one by one), max-autotune",
+                            ("default", "reduce-overhead", "max-autotune"))
+    sync_check: bool = opt(False, "CUDA only: fail at any host synchronisation inside a training step after the "
+                           "first 3 (torch.cuda.set_sync_debug_mode), the proof that no step waits for the GPU")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
                             min=6, max=64, zero=True)
@@ -95,7 +101,8 @@ class Config:
 
 
 # Settings that may change on resume: they change how the run executes, not what it computes.
-RUNTIME_FIELDS = {"node_timeout", "channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile", "data",
+RUNTIME_FIELDS = {"node_timeout", "sync_check", "channels_last", "pad_channels", "accelerator", "devices", "num_nodes", "strategy", "compile",
+                  "compile_mode", "data",
                   "num_workers", "data_dir", "mirror", "out_dir", "run_name", "log_every", "eval_every",
                   "checkpoint_every", "keep_last", "resume", "requeue_signal", "tb_images", "max_steps", "cache_dir"}
 # Settings added after runs were saved without them, with the value those runs behaved as (resume compares it).
@@ -273,6 +280,20 @@ def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) 
             "misclassified": wrong[:64]}
 
 
+@contextlib.contextmanager
+def host_sync_forbidden(active: bool):
+    """With --sync-check, any operation in the block that makes the host wait for the GPU raises (CUDA's own
+    detection): a step must queue its work and go on, reading values only at check points."""
+    if not active:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def fold_losses(run: Run, pending: list, epoch: int) -> float:
     """The losses of the steps since the last check point, read from the device in one transfer (a step reads
     nothing): each finite one added to the epoch's running mean in step order, exactly as if added every step (a
@@ -311,19 +332,20 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
         if cfg.max_steps:
             left = max(0, min(left, cfg.max_steps - progress.global_step))
         for xb, yb in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
-            xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
-            if cfg.channels_last:
-                xb = xb.contiguous(memory_format=torch.channels_last)
-            if cfg.augment:
-                g = torch.Generator(xb.device).manual_seed(cfg.seed * 1_000_003 + progress.global_step * world
-                                                           + fabric.global_rank)  # drawn where the batch is
-                xb = random_shift(xb, g)
-            data_wait += time.perf_counter() - t_fetch
-            loss = F.cross_entropy(model(xb), yb, label_smoothing=cfg.label_smoothing)
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            with host_sync_forbidden(cfg.sync_check and progress.global_step >= 3):  # after warm-up and capture
+                xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
+                if cfg.channels_last:
+                    xb = xb.contiguous(memory_format=torch.channels_last)
+                if cfg.augment:
+                    g = torch.Generator(xb.device).manual_seed(cfg.seed * 1_000_003 + progress.global_step * world
+                                                               + fabric.global_rank)  # drawn where the batch is
+                    xb = random_shift(xb, g)
+                data_wait += time.perf_counter() - t_fetch
+                loss = F.cross_entropy(model(xb), yb, label_smoothing=cfg.label_smoothing)
+                fabric.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
             progress.step_in_epoch += 1
             progress.global_step += 1
             step, seen = progress.global_step, seen + len(yb) * world
@@ -439,6 +461,34 @@ def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
         writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
 
 
+def cuda_graphs(cfg: Config, device: torch.device) -> str | None:
+    """What became of --compile-mode reduce-overhead's CUDA graphs (forward and backward captured once, then
+    replayed): torch.compile falls back to launching kernels one by one, quietly, when it cannot capture."""
+    if not (cfg.compile and cfg.compile_mode == "reduce-overhead"):
+        return None
+    if device.type != "cuda":
+        return f"not captured: CUDA graphs record CUDA kernels and this run is on {device.type}; compiled without them"
+    from torch._dynamo.utils import counters
+
+    skipped = counters["inductor"]["cudagraph_skips"]
+    return "captured and replayed" if not skipped else (
+        f"refused for {count(skipped, 'graph')} (TORCH_LOGS=cudagraphs prints the reason); those run compiled, "
+        "without graphs")
+
+
+TARGETS = (0.99, 0.992)  # test accuracies whose time of training the summary reports
+
+
+def time_to_accuracy(history: list[dict]) -> dict:
+    """The training time and step at which each target test accuracy was first measured: as fine as the
+    evaluation points (--eval-every, else epoch ends), so an upper bound; None where it was never reached."""
+    reached = {}
+    for target in TARGETS:
+        first = next((h for h in history if h["test_acc"] >= target), None)
+        reached[f"{100 * target:.1f}%"] = first and {"train_time_s": first["train_time_s"], "step": first["step"]}
+    return reached
+
+
 def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -451,6 +501,11 @@ def print_summary(fabric: Fabric, summary: dict) -> None:
                  f"{count(summary['epochs'], 'epoch')}, {count(summary['steps'], 'step')} in "
                  f"{summary['train_time_s']:.1f} s of training ({summary['samples_per_s']:,.0f} samples/s); "
                  f"run folder {summary['run_dir']}")
+    reached = [f"{target} after {r['train_time_s']:.2f} s (step {r['step']})" if r else f"{target} not reached"
+               for target, r in summary["time_to_accuracy"].items()]
+    fabric.print(f"time to test accuracy: {', '.join(reached)}; measured at evaluation points (--eval-every)")
+    if summary.get("cuda_graphs"):
+        fabric.print(f"CUDA graphs: {summary['cuda_graphs']}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -468,6 +523,11 @@ def validate(cfg: Config) -> None:
                           "on CPU use --strategy ddp")
     if cfg.strategy == "dp" and cfg.num_nodes > 1:
         raise ConfigError("--strategy dp runs in one process on one node; use ddp for several nodes")
+    if cfg.sync_check and not gpu:
+        raise ConfigError("--sync-check watches for CUDA host synchronisation and needs a GPU; a CPU step has none to "
+                          "find (tests/test_lenet.py counts host reads on CPU instead)")
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise ConfigError(f"--compile-mode {cfg.compile_mode} is a mode of torch.compile; add --compile")
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
     if cfg.activation == "gelu_cpp":
@@ -631,13 +691,15 @@ def run(cfg: Config) -> dict:
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     optimizer, scheduler = make_optimizer(cfg, model, cfg.epochs * steps_per_epoch(len(train_set), cfg, fabric.world_size))
     model, optimizer = fabric.setup(model, optimizer)
     progress = Progress(epoch=0, step_in_epoch=0, global_step=0, loss_sum=0.0, loss_count=0, train_time_s=0.0, history=[])
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
     run = Run(fabric, cfg, "lenet", RUNTIME_FIELDS, state, added_fields=ADDED_FIELDS)
     fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
+    if cuda_graphs(cfg, fabric.device) and fabric.device.type != "cuda":
+        fabric.print(f"CUDA graphs: {cuda_graphs(cfg, fabric.device)}")
     run.start()
     if cfg.resume:
         fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
@@ -653,7 +715,8 @@ def run(cfg: Config) -> dict:
                "samples_per_s": samples_trained(progress, len(train_set), cfg, fabric.world_size)
                / max(progress.train_time_s, 1e-9),
                "world_size": fabric.world_size, "device": str(fabric.device), "precision_probe": PRECISION_PROBE,
-               "compute_dtype": compute.get("dtype"),
+               "compute_dtype": compute.get("dtype"), "cuda_graphs": cuda_graphs(cfg, fabric.device),
+               "time_to_accuracy": time_to_accuracy(progress.history),
                "history": progress.history,
                "epoch_history": [h for h in progress.history if not h.get("partial")]}
     summary = run.finish(summary, {"hparams/test_acc": result["test_acc"], "hparams/test_loss": result["test_loss"]})

@@ -268,6 +268,15 @@ def gpu_check(args) -> int:
         check(f"LeNet-5 {precision}", ["fabric_lenet.py", "--epochs", "1", "--precision", precision, "--accelerator", "cuda",
                                        "--no-tb-images", "--out-dir", out, "--run-name", run], lenet_verdict)
 
+    def graphs_verdict():
+        r = record("lenet-graphs")
+        return (r["test_acc"] >= 0.97 and r["cuda_graphs"] == "captured and replayed",
+                f"CUDA graphs {r['cuda_graphs']}, no host sync in a step, test acc {100 * r['test_acc']:.2f}% after 1 "
+                f"epoch, {r['samples_per_s']:,.0f} samples/s")
+    check("LeNet-5 compiled, CUDA graphs", ["fabric_lenet.py", "--epochs", "1", "--compile", "--compile-mode",
+                                            "reduce-overhead", "--sync-check", "--accelerator", "cuda", "--no-tb-images",
+                                            "--out-dir", out, "--run-name", "lenet-graphs"], graphs_verdict)
+
     def gelu_verdict():
         checked = json.loads((out / "gelu" / "check.json").read_text())
         rows_ = checked["rows"]

@@ -190,6 +190,8 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--precision", "16-mixed", "--accelerator", "cpu"], "needs a GPU"),
     (["--accelerator", "gpu"], "no CUDA GPU"),
     (["--num-workers", "2"], "--data loader only"),
+    (["--compile-mode", "reduce-overhead"], "add --compile"),
+    (["--sync-check", "--accelerator", "cpu"], "needs a GPU"),
 ])
 def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, args, words):
     monkeypatch.setattr(fabric_lenet, "run", lambda cfg: pytest.fail("training started"))
@@ -320,3 +322,31 @@ def test_a_nan_in_lenet_is_named_by_its_step_at_the_next_check_point(mnist_dir, 
     last = proc.stderr.strip().splitlines()[-1]
     step = int(re.search(r"at step (\d+)", last).group(1))
     assert proc.returncode == 1 and "loss became" in last and step < 10 and "no checkpoint was saved" in last, last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, mode):
+    """torch.compile'd LeNet-5 (the GPU recipe's path; reduce-overhead is CUDA graphs on a GPU) trains as the eager
+    model does: the same test loss after 20 steps with augmentation, to float32 reordering. On a CPU the run says
+    that no graphs were captured, and why."""
+    common = ["--epochs", "1", "--max-steps", "20", "--precision", "32-true", "--no-tb-images", "--accelerator", "cpu",
+              "--data-dir", mnist_dir, "--out-dir", tmp_path, "--log-every", "5"]
+    run_in_process("fabric_lenet.py", *common, "--run-name", "eager")
+    proc = run_in_process("fabric_lenet.py", *common, "--compile", "--compile-mode", mode, "--run-name", "compiled")
+    eager, compiled = read_summary(tmp_path / "eager"), read_summary(tmp_path / "compiled")
+    assert compiled["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-4)
+    assert compiled["history"][-1]["train_loss"] == pytest.approx(eager["history"][-1]["train_loss"], rel=1e-4)
+    if mode == "reduce-overhead":
+        assert compiled["cuda_graphs"].startswith("not captured: CUDA graphs record CUDA kernels and this run is on cpu")
+        assert "CUDA graphs: not captured" in proc.stdout
+    else:
+        assert compiled["cuda_graphs"] is None
+
+
+def test_time_to_accuracy_is_the_first_evaluation_at_the_target():
+    history = [{"step": 10, "train_time_s": 1.0, "test_acc": 0.985}, {"step": 20, "train_time_s": 2.0, "test_acc": 0.9905},
+               {"step": 30, "train_time_s": 3.0, "test_acc": 0.9899}, {"step": 40, "train_time_s": 4.0, "test_acc": 0.992}]
+    assert fabric_lenet.time_to_accuracy(history) == {"99.0%": {"train_time_s": 2.0, "step": 20},
+                                                       "99.2%": {"train_time_s": 4.0, "step": 40}}
+    assert fabric_lenet.time_to_accuracy(history[:3])["99.2%"] is None
