@@ -479,6 +479,14 @@ def cuda_graphs(cfg: Config, device: torch.device) -> str | None:
 TARGETS = (0.99, 0.992)  # test accuracies whose time of training the summary reports
 
 
+def steady_speed(history: list[dict], first_epoch_here: int) -> float | None:
+    """Samples/s of the steady state: the median epoch of this process after its first (which carries start-up:
+    kernel selection, lazy loading, compilation). None with fewer than 2 epochs here. Epoch times are read after the
+    epoch's losses come back from the device, so queued GPU work is inside them."""
+    speeds = [h["samples_per_s"] for h in history if not h.get("partial") and h["epoch"] > first_epoch_here + 1]
+    return statistics.median(speeds) if speeds else None
+
+
 def time_to_accuracy(history: list[dict]) -> dict:
     """The training time and step at which each target test accuracy was first measured: as fine as the
     evaluation points (--eval-every, else epoch ends), so an upper bound; None where it was never reached."""
@@ -499,7 +507,9 @@ def print_summary(fabric: Fabric, summary: dict) -> None:
         fabric.print(f"{digit:>7} | {100 * acc:6.2f}%")
     fabric.print(f"{'all':>7} | {100 * summary['test_acc']:6.2f}%\n"
                  f"{count(summary['epochs'], 'epoch')}, {count(summary['steps'], 'step')} in "
-                 f"{summary['train_time_s']:.1f} s of training ({summary['samples_per_s']:,.0f} samples/s); "
+                 f"{summary['train_time_s']:.1f} s of training ({summary['samples_per_s']:,.0f} samples/s"
+                 + (f", steady {summary['samples_per_s_steady']:,.0f} after the first epoch"
+                    if summary["samples_per_s_steady"] else "") + "); "
                  f"run folder {summary['run_dir']}")
     reached = [f"{target} after {r['train_time_s']:.2f} s (step {r['step']})" if r else f"{target} not reached"
                for target, r in summary["time_to_accuracy"].items()]
@@ -703,6 +713,7 @@ def run(cfg: Config) -> dict:
     run.start()
     if cfg.resume:
         fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
+    first_epoch_here = progress.epoch
     # in-memory data lives where the model does (on a GPU: 190 MB, moved once), so a step copies nothing from the host
     on_device = lambda tensors: tuple(t.to(fabric.device) for t in tensors)  # noqa: E731
     data = (train_set, on_device(test_set.tensors()), on_device(train_set.tensors()) if cfg.data == "memory" else None)
@@ -717,6 +728,7 @@ def run(cfg: Config) -> dict:
                "world_size": fabric.world_size, "device": str(fabric.device), "precision_probe": PRECISION_PROBE,
                "compute_dtype": compute.get("dtype"), "cuda_graphs": cuda_graphs(cfg, fabric.device),
                "time_to_accuracy": time_to_accuracy(progress.history),
+               "samples_per_s_steady": steady_speed(progress.history, first_epoch_here),
                "history": progress.history,
                "epoch_history": [h for h in progress.history if not h.get("partial")]}
     summary = run.finish(summary, {"hparams/test_acc": result["test_acc"], "hparams/test_loss": result["test_loss"]})

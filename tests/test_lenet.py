@@ -350,3 +350,11 @@ def test_time_to_accuracy_is_the_first_evaluation_at_the_target():
     assert fabric_lenet.time_to_accuracy(history) == {"99.0%": {"train_time_s": 2.0, "step": 20},
                                                        "99.2%": {"train_time_s": 4.0, "step": 40}}
     assert fabric_lenet.time_to_accuracy(history[:3])["99.2%"] is None
+
+
+def test_steady_speed_leaves_out_each_start_s_first_epoch():
+    history = [{"epoch": 1, "samples_per_s": 10.0}, {"epoch": 1, "partial": True, "samples_per_s": 0.0},
+               {"epoch": 2, "samples_per_s": 30.0}, {"epoch": 3, "samples_per_s": 40.0}, {"epoch": 4, "samples_per_s": 20.0}]
+    assert fabric_lenet.steady_speed(history, first_epoch_here=0) == 30.0  # median of epochs 2-4
+    assert fabric_lenet.steady_speed(history, first_epoch_here=2) == 20.0  # resumed after epoch 2: epoch 3 starts up
+    assert fabric_lenet.steady_speed(history[:2], first_epoch_here=0) is None
