@@ -41,7 +41,7 @@ from comm_counter import CommCounter
 from flags import ConfigError, opt
 from hardware import check_hardware, cpu_name, sdpa_kernel, uses_gpu
 from ranks import check_launcher, launch
-from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StopRequest, any_rank, nonfinite_message,
+from run_state import (NonFiniteLoss, Progress, ResumeError, Run, StepTimer, StopRequest, any_rank, nonfinite_message,
                        requeue_flag, resume_flag, run_main, step_of)
 from strategies import STRATEGIES, is_deepspeed
 
@@ -439,34 +439,31 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
     steps_here, timed_time, timed_steps, comms, disk = 0, 0.0, 0, None, {}
     # (first step with a non-finite loss or gradient norm, 0 for none; its loss), on the device: first_nonfinite
     bad = (torch.zeros((), dtype=torch.long, device=fabric.device), torch.zeros((), device=fabric.device))
+    timer, step_time = StepTimer(fabric.device), 0.0
     while progress.step < stop_at:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, cfg, total_steps)
         micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
-        sync(fabric.device)
         # a steady step is counted (the first after warm-up, and not before this process's third: DDP rebuilds its
         # buckets in its second), else the last one; not timed, as the counter slows it
         counter = CommCounter() if cfg.count_comms and comms is None and (
             steps_here == max(cfg.timing_warmup, STEADY_STEP) or progress.step + 1 == stop_at) else None
-        t0 = time.perf_counter()
+        timer.start()
         io_before = disk_io() if cfg.nvme_path else None
         with counter or nullcontext():
             loss, norm, skipped = take_step(run, model, optimizer, micro_batches)
         if io_before:  # the step's own swapping, not the checkpoints'
             disk = {k: disk.get(k, 0.0) + v - io_before[k] for k, v in disk_io().items()}
-        sync(fabric.device)
-        step_time = time.perf_counter() - t0
         progress.step += 1
-        progress.train_time_s += step_time
         steps_here += 1
+        # this process's own first steps are the cold ones; the step the counter slowed is not timed either
+        timer.stop(timed=counter is None and steps_here > cfg.timing_warmup)
         if counter:
             steady = steps_here > STEADY_STEP
             comms = {"step": progress.step, "table": counter.table(), "steady": steady,
                      "why": f"this process's step {steps_here}: " + (
                          "the first after warm-up and set-up" if steady else "its last; the run ends before a steady "
                          "step, so one-time set-up traffic (DDP's bucket rebuild) may be in it")}
-        elif steps_here > cfg.timing_warmup:  # this process's own first steps are the cold ones
-            timed_time, timed_steps = timed_time + step_time, timed_steps + 1
         step = progress.step
         progress.skipped_steps += skipped
         bad = first_nonfinite(bad, step, loss, norm, skipped)
@@ -478,6 +475,10 @@ def train(run: Run, model, optimizer, loader, total_steps: int, stop_at: int, fl
             # Read on the host only here (each read waits for the device): a NaN state must never be logged as
             # progress or checkpointed as "good", and the message names the first step that went wrong
             raise_if_nonfinite(run, bad, total_steps)
+            for seconds, timed in timer.collect():
+                progress.train_time_s += seconds
+                timed_time, timed_steps = timed_time + seconds * timed, timed_steps + timed
+                step_time = seconds  # the newest step's, for its log line
         if log_due:
             loss_value, norm_value = mean_loss(fabric, cfg, loss), float(norm)
             progress.losses.append([step, loss_value])
@@ -503,11 +504,6 @@ def mean_loss(fabric, cfg: Config, loss: torch.Tensor) -> float:
     if cfg.strategy == "pp":
         return float(fabric.all_reduce(loss, reduce_op="sum")) / strategies.data_parallel_size(cfg)
     return float(fabric.all_reduce(loss, reduce_op="mean"))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- output

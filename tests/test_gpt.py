@@ -952,3 +952,20 @@ def test_the_record_names_the_attention_kernel_that_ran(tmp_path):
     assert record(tmp_path, "dropout")["attention_kernel"].startswith("SDPA math")
     cfg = gpt.resolve(gpt.Config(model="1.6b", precision="bf16-mixed", seq_len=128))
     assert "32 heads x 50 dims x 128 positions in bfloat16" in gpt.attention_kernel(cfg, torch.device("cpu"), "sdpa")
+
+
+def test_step_timer_hands_back_each_step_at_the_check_point():
+    """Steps are timed without waiting for the device (CUDA events on a GPU, read at the next check point): each
+    step's duration and whether it counts, in order, once."""
+    import time
+
+    from run_state import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    for pause in (0.01, 0.02):
+        timer.start()
+        time.sleep(pause)
+        timer.stop(timed=pause > 0.015)
+    got = timer.collect()
+    assert [timed for _, timed in got] == [False, True] and got[0][0] >= 0.01 and got[1][0] >= 0.02
+    assert timer.collect() == []
