@@ -124,8 +124,9 @@ def peak_memory(device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------- memory plan
 # ----------------------------------------------------------------------------- the model's shape
-def gpt2_config(cfg):
-    """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache)."""
+def gpt2_config(cfg, attention: str | None = None):
+    """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache), with the attention the run
+    computes (attention_implementation) unless `attention` names one."""
     from transformers import GPT2Config
 
     # GPT-2's tanh GELU as one kernel: the same function as gelu_new, whose eight elementwise ops took 15% of a CPU
@@ -134,7 +135,32 @@ def gpt2_config(cfg):
                       activation_function="gelu_pytorch_tanh",
                       vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                       attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
-                      eos_token_id=cfg.vocab_size - 1)
+                      eos_token_id=cfg.vocab_size - 1, attn_implementation=attention or attention_implementation(cfg))
+
+
+SDPA_FLOAT32 = "sdpa_float32"
+
+
+def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention computed in float32, outside autocast, for a run whose 16-bit attention is the
+    slower (cpu_probe.float32_attention_faster); the output goes back to the run's dtype for the projection."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def attention_implementation(cfg) -> str:
+    """"sdpa" (transformers' default), or SDPA_FLOAT32 for a 16-bit run whose --attention-precision is float32
+    (fabric_gpt.resolve_attention decides auto before anything is built)."""
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    if not half or getattr(cfg, "attention_precision", "autocast") != "float32":
+        return "sdpa"
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SDPA_FLOAT32, sdpa_in_float32)
+    return SDPA_FLOAT32
 
 
 def count_parameters(cfg) -> tuple[int, str]:
@@ -240,7 +266,10 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     r = 4 if (autocast or not half) and not fsdp_gathers_bf16(cfg) else 2  # bf16 gathers: bf16 inside the blocks
     t, p = tp_size(cfg), pp_size(cfg)
     scores = 5 * a * s / h * w / 2 if attn_implementation == "eager" else 0
-    per_layer = s * b * h * (2 * r + 2 * w + (12 * w + scores) / t)
+    # attention: q, k, v and its output as SDPA saves them (w each), or, computed in float32 (SDPA_FLOAT32), in 4
+    # bytes each, the output then cast back for c_proj, which saves that copy (w)
+    attention = 3 * 4 + 4 + w if attn_implementation == SDPA_FLOAT32 else 4 * w
+    per_layer = s * b * h * (2 * r + 2 * w + (8 * w + attention + scores) / t)
     # per block, kept from forward to backward (with bf16 gathers the block's own weights, freed and gathered again)
     weight_copies = 12 * h * h * 2 / t if autocast and not fsdp_gathers_bf16(cfg) else 0
     head = s * b * h * (r + w) + (V * h * 2 if autocast else 0)  # ln_f's input and output; lm_head's weight copy

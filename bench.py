@@ -293,7 +293,7 @@ NANOGPT_RECIPE = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--n-h
 
 def bench_text(args) -> None:
     """nanoGPT's shakespeare_char CPU recipe trained by nanogpt_reference.py (nanoGPT's train.py as one plain loop)
-    and by fabric_gpt.py, eager and compiled, on the same prepared tokens; the cases alternate over --repeats rounds
+    and by fabric_gpt.py, eager and compiled, in float32 and under bf16 autocast, on the same prepared tokens; the cases alternate over --repeats rounds
     (a shared machine's speed drifts) and the table gives the median tokens/s of each, and each one's validation
     loss on the same 200 x 12 fixed validation windows."""
     import text_corpus
@@ -302,7 +302,11 @@ def bench_text(args) -> None:
     text_corpus.prepare("", "char", 0, args.data_dir)  # once, before the cases
     common = [*NANOGPT_RECIPE, "--steps", args.steps, "--data-dir", args.data_dir, "--eval-batches", 200,
               "--log-every", max(1, args.steps // 4), "--out-dir", out, *args.extra]
-    cases = {"fabric_gpt.py": common, "fabric_gpt.py --compile": [*common, "--compile"]}
+    bf16 = [*common, "--precision", "bf16-mixed"]  # the later flag wins: the recipe's float32 becomes bf16 autocast
+    # name -> (run folder prefix, flags); bf16 autocast takes attention in float32 where that measures faster
+    cases = {"fabric_gpt.py": ("eager", common), "fabric_gpt.py --compile": ("compiled", [*common, "--compile"]),
+             "fabric_gpt.py --precision bf16-mixed": ("bf16", bf16),
+             "fabric_gpt.py --precision bf16-mixed --compile": ("bf16-compiled", [*bf16, "--compile"])}
     results: dict = {name: [] for name in ["nanoGPT (nanogpt_reference.py)", *cases]}
     for round_ in progress(range(args.repeats), "text bench"):
         folder = out / f"nanogpt-{round_}"
@@ -312,13 +316,14 @@ def bench_text(args) -> None:
         if code:
             sys.exit(f"error: nanogpt_reference.py failed: {last}")
         results["nanoGPT (nanogpt_reference.py)"].append(json.loads((folder / "record.json").read_text()))
-        for name, flags in cases.items():
-            run_name = f"{'compiled' if '--compile' in flags else 'eager'}-{round_}"
+        for name, (prefix, flags) in cases.items():
+            run_name = f"{prefix}-{round_}"
             code, last = run_case(out / run_name, False, "fabric_gpt.py", [*flags, "--run-name", run_name])
             if code:
                 sys.exit(f"error: {name} failed: {last}")
             record = read_record(out / run_name)
-            results[name].append({"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"]})
+            results[name].append({"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"],
+                                  "attention": record.get("attention_kernel")})
         print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     base = statistics.median(r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"])
     lines = [f"CPU: {cpu_label()}", "", f"nanoGPT's shakespeare_char CPU recipe, {args.steps} steps, median of "

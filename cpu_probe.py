@@ -134,7 +134,7 @@ def block_and_head(gpt2_config, micro_batch: int, precision: str, deepspeed: boo
     c = gpt2_config
     settings = {"n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.n_positions, "vocab_size": c.vocab_size,
                 "micro_batch": micro_batch, "precision": precision, "deepspeed": deepspeed, "threads": n_threads,
-                "attention": "as GPT2LMHeadModel picks"}
+                "attention": getattr(c, "_attn_implementation", None) or "as GPT2LMHeadModel picks"}
     return cached("block", settings, lambda: _measure_block_and_head(c, micro_batch, precision, deepspeed, n_threads),
                   allow_measure)
 
@@ -164,6 +164,31 @@ def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_thread
         block_s = run(lambda: first(block(x)).float().sum())
         head_s = run(lambda: torch.nn.functional.cross_entropy(head(x).flatten(0, 1).float(), y))
     return {"block_s": block_s, "head_s": head_s}
+
+
+# ----------------------------------------------------------------------------- attention's dtype
+def float32_attention_faster(heads: int, seq_len: int, head_dim: int, micro_batch: int, dtype: torch.dtype,
+                             n_threads: int) -> bool:
+    """Whether SDPA's forward and backward at this shape run faster in float32 than in the run's 16-bit dtype here
+    (cached). On the AVX-512 BF16 EPYC the CPU flash kernel's bf16 backward took 4x its float32 time, more than the
+    bf16 matmuls save; a CPU with AMX or without bf16 instructions may differ, so it is measured, not assumed."""
+    settings = {"heads": heads, "seq_len": seq_len, "head_dim": head_dim, "micro_batch": micro_batch,
+                "dtype": str(dtype), "threads": n_threads}
+    return cached("attention", settings, lambda: _measure_attention(settings, dtype, n_threads))["float32_faster"]
+
+
+def _measure_attention(settings: dict, dtype: torch.dtype, n_threads: int) -> dict:
+    shape = (settings["micro_batch"], settings["heads"], settings["seq_len"], settings["head_dim"])
+    times = {}
+    with threads(n_threads):
+        for name, dt in (("float32", torch.float32), ("16-bit", dtype)):
+            q, k, v = (torch.randn(shape, dtype=dt, requires_grad=True) for _ in range(3))
+
+            def step():
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out.backward(torch.ones_like(out))
+            times[name] = seconds_per_call(step, seconds=0.1)
+    return {"float32_s": times["float32"], "16bit_s": times["16-bit"], "float32_faster": times["float32"] < times["16-bit"]}
 
 
 # ----------------------------------------------------------------------------- bandwidths
@@ -233,7 +258,10 @@ def minimal_flags(cfg, heads: int) -> list[str]:
            "--num-samples", samples, "--steps", steps, "--timing-warmup", FIXED_WARMUP, "--strategy", cfg.strategy,
            "--precision", cfg.precision, "--devices", cfg.devices, "--accelerator", "cpu", "--optimizer", cfg.optimizer,
            "--grad-clip", cfg.grad_clip, "--pp-schedule", cfg.pp_schedule, "--tp-size", cfg.tp_size,
-           "--pp-size", cfg.pp_size, "--log-every", steps]
+           "--pp-size", cfg.pp_size, "--log-every", steps,
+           # the run's attention dtype, never auto: its probe would wait for the lock this measurement holds
+           "--attention-precision", attention if (attention := getattr(cfg, "attention_precision", "auto")) != "auto"
+           else "autocast"]
     if cfg.grad_checkpointing:
         out.append("--grad-checkpointing")
     if cfg.compile:

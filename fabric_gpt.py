@@ -100,6 +100,8 @@ class Config:
     pp_size: int = opt(0, "pipeline stages for pp (0: all processes)", min=0)
     pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b", ("1f1b", "gpipe"))
     precision: str = opt("32-true", "Fabric precision", PRECISIONS, group="precision and memory")
+    attention_precision: str = opt("auto", "attention's dtype in 16-bit runs; auto: float32 on a CPU where it measures "
+                                   "faster", ("auto", "float32", "autocast"))
     loss_scale_power: int = opt(16, "16-mixed: initial loss scale 2^N; an overflowed step is skipped", min=0, max=40)
     nvme_path: str = opt("", "deepspeed_stage_3_offload: offload to NVMe at this folder instead of CPU RAM",
                          check=flags.Folder(optional=True))
@@ -138,7 +140,7 @@ class Config:
 # grad_checkpointing: recomputing activations changes memory and time, not the numbers (tests resume across it);
 # a corpus and tokenizer are compared by their SHA-256 (Run's identity), not by the paths that named them
 RUNTIME_FIELDS = {"text", "tokenizer", "data_dir", "eval_every", "eval_batches", "sample", "prompt", "max_new_tokens",
-                  "temperature", "top_k", "devices", "num_nodes", "node_timeout", "compile", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
+                  "temperature", "top_k", "devices", "num_nodes", "node_timeout", "compile", "attention_precision", "grad_checkpointing", "count_comms", "timing_warmup", "log_every", "plan", "cluster", "tokens", "plan_json",
                   "search", "device_memory_gb", "host_memory_gb", "out_dir", "run_name",
                   "checkpoint_every", "keep_last", "resume", "requeue_signal", "steps", "accelerator", "nvme_path", "export", "loss_scale_power"}
 
@@ -653,12 +655,15 @@ def validate(cfg: Config) -> None:
     if cfg.optimizer == "sgd" and cfg.strategy.endswith("_offload"):
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan or cfg.search:
+        # a plan for this CPU computes attention as a run here would; one for GPUs in their 16-bit type
+        cfg.attention_precision = resolve_attention(cfg, accounting.plans_for_gpu(cfg) or cfg.cluster not in ("", "cpu"))
         return
     # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
     check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py")
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not is_deepspeed(cfg.strategy))
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
+    cfg.attention_precision = resolve_attention(cfg, on_gpu)
     if cfg.precision == "16-mixed" and cfg.strategy in strategies.MODEL_PARALLEL:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
@@ -674,6 +679,21 @@ def validate(cfg: Config) -> None:
                           f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
                           f"{strategies.data_parallel_size(cfg)} data-parallel ranks); choose e.g. --num-samples "
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
+
+
+def resolve_attention(cfg: Config, on_gpu: bool) -> str:
+    """--attention-precision auto as this run will compute it: float32 on a CPU where SDPA's forward and backward at
+    the run's shape measure faster in float32 than in the run's 16-bit type (the CPU flash kernel's bf16 backward was
+    4x its float32 time on the AVX-512 BF16 EPYC, more than bf16 matmuls save), else the 16-bit type."""
+    half = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.precision)
+    if cfg.attention_precision != "auto":
+        return cfg.attention_precision
+    if on_gpu or half is None:
+        return "autocast"
+    faster = cpu_probe.float32_attention_faster(cfg.n_head // strategies.tp_size(cfg), cfg.seq_len,
+                                                cfg.n_embd // cfg.n_head, cfg.micro_batch_size, half,
+                                                cpu_probe.rank_threads(cfg.devices))
+    return "float32" if faster else "autocast"
 
 
 def device_plan(cfg: Config, on_gpu: bool, counted: tuple[int, str] | None = None) -> dict:
@@ -891,10 +911,12 @@ def attention_kernel(cfg: Config, device: torch.device, implementation: str) -> 
     """The attention kernel this run's shape gets on its device (a rank's heads under tensor parallel), in the
     dtype its matmuls run in: for the record, since PyTorch picks it silently (the 1.6B preset's head dimension 50
     is not a multiple of 8, which some kernels need)."""
-    if implementation != "sdpa":
+    if implementation not in ("sdpa", accounting.SDPA_FLOAT32):
         return f"{implementation} (transformers' own, scores materialised)"
     dtype = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.precision,
                                                                                                     torch.float32)
+    if implementation == accounting.SDPA_FLOAT32:
+        dtype = torch.float32  # --attention-precision float32 (chosen by auto where it measured faster)
     heads, head_dim = cfg.n_head // strategies.tp_size(cfg), cfg.n_embd // cfg.n_head
     kernel = sdpa_kernel(device, dtype, heads, cfg.seq_len, head_dim, cfg.dropout)
     return f"SDPA {kernel}, {heads} heads x {head_dim} dims x {cfg.seq_len} positions in {str(dtype).split('.')[-1]}"

@@ -55,11 +55,10 @@ class Config:
     precision: str = opt("auto", "auto (bf16-mixed on GPUs, the faster of two on CPUs: docs/lenet.md), 32-true, "
                          "16-mixed, bf16-mixed, bf16-true, 64-true", PRECISIONS)
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
-    compile_mode: str = opt("default", "torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: "
-                            "each step's kernels replayed at once, not launched one by one), max-autotune",
+    compile_mode: str = opt("default", "torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
                             ("default", "reduce-overhead", "max-autotune"))
-    sync_check: bool = opt(False, "CUDA only: fail at any host synchronisation inside a training step after the "
-                           "first 3 (torch.cuda.set_sync_debug_mode), the proof that no step waits for the GPU")
+    sync_check: bool = opt(False, "CUDA: fail at any host synchronisation inside a step after the third "
+                           "(torch.cuda.set_sync_debug_mode)")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
                             min=6, max=64, zero=True)

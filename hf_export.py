@@ -29,7 +29,7 @@ def write_hf_folder(state_dict: dict, cfg, folder) -> Path:
     from transformers import GenerationConfig, GPT2LMHeadModel
 
     folder = Path(folder)
-    config = accounting.gpt2_config(cfg)
+    config = accounting.gpt2_config(cfg, attention="sdpa")  # what any transformers loads (float32 attention is ours)
     config.use_cache = True  # training turns the KV cache off; generation wants it
     with torch.device("meta"):  # no weights of its own: it takes the dict's tensors (assign), never a copy
         model = GPT2LMHeadModel(config)

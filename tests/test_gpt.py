@@ -512,13 +512,14 @@ def saved_for_backward(cfg) -> int:
     return sum(v for k, v in seen.items() if k not in params)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_planned_activations_match_what_autograd_saves(precision):
+@pytest.mark.parametrize("precision, attention", [("32-true", "auto"), ("bf16-mixed", "autocast"),
+                                                  ("bf16-mixed", "float32")])
+def test_planned_activations_match_what_autograd_saves(precision, attention):
     """The plan's activations against the bytes saved for backward, measured with saved_tensors_hooks on CPU
-    (the plan also counts the logits' gradient, made in backward): within 10%. Checkpointing is left out: its
-    own hooks keep the block inputs where an outer hook cannot see them."""
+    (the plan also counts the logits' gradient, made in backward): within 10%, with attention in bf16 and in float32.
+    Checkpointing is left out: its own hooks keep the block inputs where an outer hook cannot see them."""
     cfg = gpt.resolve(gpt.Config(model="small", n_layer=4, seq_len=128, micro_batch_size=2, vocab_size=1000,
-                                 precision=precision, accelerator="cpu"))
+                                 precision=precision, accelerator="cpu", attention_precision=attention))
     acts = accounting.activation_bytes(cfg, gpt.count_parameters(cfg)[1])
     planned, measured = acts["activations_full"] - acts["logits_gradient"], saved_for_backward(cfg)
     assert planned == pytest.approx(measured, rel=0.10), (planned / 2**20, measured / 2**20)
