@@ -122,7 +122,7 @@ gpt-plan: plan ## the same as make plan (its earlier name)
 bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
 	$(PY) bench.py gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
 
-bench-text: $(SETUP) ## nanoGPT's shakespeare_char CPU recipe: fabric_gpt.py (eager, compiled) against nanoGPT's loop
+bench-text: $(SETUP) ## nanoGPT's shakespeare_char CPU recipe: fabric_gpt.py (float32, bf16; eager, compiled) against nanoGPT's loop
 	$(PY) bench.py text $(call flag,STEPS,--steps) $(call flag,DATA_DIR,--data-dir) $(ARGS)
 
 report: $(SETUP) ## write report/REPORT.md with figures from the runs under runs/

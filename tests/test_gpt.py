@@ -970,3 +970,47 @@ def test_step_timer_hands_back_each_step_at_the_check_point():
     got = timer.collect()
     assert [timed for _, timed in got] == [False, True] and got[0][0] >= 0.01 and got[1][0] >= 0.02
     assert timer.collect() == []
+
+
+def test_auto_attention_precision_follows_the_measurement(monkeypatch):
+    """--attention-precision auto: float32 only for a 16-bit run on a CPU where the probe measured float32 SDPA
+    faster at the run's shape; the 16-bit type on GPUs and where it is the faster; float32 runs are left alone."""
+    import cpu_probe
+
+    asked = []
+    monkeypatch.setattr(cpu_probe, "float32_attention_faster", lambda *a: asked.append(a) or faster)
+    cfg = gpt.resolve(gpt.Config(model="tiny", precision="bf16-mixed", accelerator="cpu"))
+    faster = True
+    assert gpt.resolve_attention(cfg, on_gpu=False) == "float32"
+    assert asked[-1][:4] == (4, 64, 16, 4) and asked[-1][4] == torch.bfloat16  # heads, positions, head dim, micro-batch
+    faster = False
+    assert gpt.resolve_attention(cfg, on_gpu=False) == "autocast"
+    assert gpt.resolve_attention(cfg, on_gpu=True) == "autocast"
+    calls = len(asked)
+    assert gpt.resolve_attention(gpt.dataclasses.replace(cfg, precision="32-true"), on_gpu=False) == "autocast"
+    assert gpt.resolve_attention(gpt.dataclasses.replace(cfg, attention_precision="float32"), on_gpu=True) == "float32"
+    assert len(asked) == calls  # nothing measured where nothing is to be decided
+
+
+@pytest.mark.slow
+def test_float32_attention_trains_as_bf16_attention_and_exports_plain_sdpa(tmp_path):
+    """A bf16-mixed run with attention in float32 (what auto chooses on a CPU whose bf16 flash backward is slower):
+    it records that kernel, trains as bf16 attention does to bf16 rounding, and its hf/ folder loads in transformers
+    without this repository (attention "sdpa") with the same logits as the run's own model."""
+    from transformers import AutoModelForCausalLM
+
+    common = ["--precision", "bf16-mixed", "--steps", "6", "--log-every", "1"]
+    run_gpt(tmp_path, "f32", *common, "--attention-precision", "float32", "--export")
+    run_gpt(tmp_path, "bf16", *common, "--attention-precision", "autocast")
+    f32, bf16 = record(tmp_path, "f32"), record(tmp_path, "bf16")
+    assert "in float32" in f32["attention_kernel"] and "in bfloat16" in bf16["attention_kernel"]
+    assert losses(tmp_path, "f32") == pytest.approx(losses(tmp_path, "bf16"), rel=2e-2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "f32" / "hf")
+    assert loaded.config._attn_implementation == "sdpa"
+    cfg = gpt.resolve(gpt.Config(model="tiny", attention_precision="float32", precision="bf16-mixed"))
+    ours = gpt.build_model(cfg)
+    assert ours.config._attn_implementation == accounting.SDPA_FLOAT32
+    ours.load_state_dict(loaded.state_dict(), strict=False)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens).logits, loaded(tokens).logits, rtol=1e-4, atol=1e-4)
