@@ -897,10 +897,12 @@ def plan_only(cfg: Config) -> dict:
         if cluster.name == "cpu":  # the devices are this machine's processes: their memory is the host's
             result["fits"] = result["host_fits"]
         print_plan(cfg, result)
+        # on a cluster of GPUs the host is each node's, whose memory no preset holds: this machine's is no measure
+        verdict = (f"on this machine: {'fits' if result['host_fits'] else 'does NOT fit'} in {available / 2**30:.1f} GiB "
+                   "available") if cluster.name == "cpu" else "per node of the cluster (compare with its host memory)"
         print(f"  host memory: {host['per_process'] / 2**30:.2f} GiB per process (libraries {host['baseline'] / 2**30:.2f}, "
               f"build {host['construction'] / 2**30:.2f}, training {host['training'] / 2**30:.2f}, checkpoint "
-              f"{host['checkpoint'] / 2**30:.2f}), {host['machine'] / 2**30:.2f} GiB for {cfg.devices} process(es) on this "
-              f"machine: {'fits' if result['host_fits'] else 'does NOT fit'} in {available / 2**30:.1f} GiB available")
+              f"{host['checkpoint'] / 2**30:.2f}), {host['machine'] / 2**30:.2f} GiB for {cfg.devices} process(es) {verdict}")
         print_time_plan(cfg, result["time"])
     if cfg.plan_json:
         perf_model.write_json(cfg.plan_json, result)
