@@ -681,14 +681,20 @@ def validate(cfg: Config) -> None:
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
 
 
+def math_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the run's matmuls compute in: autocast's, else the weights' (cpu_probe.compute_dtype)."""
+    weights, autocast = cpu_probe.compute_dtype(cfg.precision, is_deepspeed(cfg.strategy))
+    return autocast or weights
+
+
 def resolve_attention(cfg: Config, on_gpu: bool) -> str:
     """--attention-precision auto as this run will compute it: float32 on a CPU where SDPA's forward and backward at
     the run's shape measure faster in float32 than in the run's 16-bit type (the CPU flash kernel's bf16 backward was
     4x its float32 time on the AVX-512 BF16 EPYC, more than bf16 matmuls save), else the 16-bit type."""
-    half = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.precision)
     if cfg.attention_precision != "auto":
         return cfg.attention_precision
-    if on_gpu or half is None:
+    half = math_dtype(cfg)
+    if on_gpu or half == torch.float32:
         return "autocast"
     faster = cpu_probe.float32_attention_faster(cfg.n_head // strategies.tp_size(cfg), cfg.seq_len,
                                                 cfg.n_embd // cfg.n_head, cfg.micro_batch_size, half,
@@ -915,10 +921,8 @@ def attention_kernel(cfg: Config, device: torch.device, implementation: str) -> 
     is not a multiple of 8, which some kernels need)."""
     if implementation not in ("sdpa", accounting.SDPA_FLOAT32):
         return f"{implementation} (transformers' own, scores materialised)"
-    dtype = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.precision,
-                                                                                                    torch.float32)
-    if implementation == accounting.SDPA_FLOAT32:
-        dtype = torch.float32  # --attention-precision float32 (chosen by auto where it measured faster)
+    # --attention-precision float32 (chosen by auto where it measured faster), else the run's matmul dtype
+    dtype = torch.float32 if implementation == accounting.SDPA_FLOAT32 else math_dtype(cfg)
     heads, head_dim = cfg.n_head // strategies.tp_size(cfg), cfg.n_embd // cfg.n_head
     kernel = sdpa_kernel(device, dtype, heads, cfg.seq_len, head_dim, cfg.dropout)
     return f"SDPA {kernel}, {heads} heads x {head_dim} dims x {cfg.seq_len} positions in {str(dtype).split('.')[-1]}"

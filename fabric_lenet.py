@@ -707,8 +707,8 @@ def run(cfg: Config) -> dict:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": progress}
     run = Run(fabric, cfg, "lenet", RUNTIME_FIELDS, state, added_fields=ADDED_FIELDS)
     fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
-    if cuda_graphs(cfg, fabric.device) and fabric.device.type != "cuda":
-        fabric.print(f"CUDA graphs: {cuda_graphs(cfg, fabric.device)}")
+    if fabric.device.type != "cuda" and (graphs := cuda_graphs(cfg, fabric.device)):  # on a GPU: known after a step
+        fabric.print(f"CUDA graphs: {graphs}")
     run.start()
     if cfg.resume:
         fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
