@@ -323,9 +323,19 @@ def test_every_strategy_sees_the_same_text_and_validation(tmp_path, text_dir, st
 
 
 # ----------------------------------------------------------------------------- against nanoGPT
+def test_adamw_is_fused_on_cpu_except_where_tensors_mix_or_fp16_unscales():
+    """One fused kernel a tensor on CPU too (foreach there is a loop of ~10 ops a tensor: docs/text.md); foreach
+    under 16-mixed, whose scaler unscales before clipping; a loop where DTensor and plain tensors mix (tp)."""
+    for flags, fused, foreach in (([], True, None), (["--precision", "16-mixed"], False, True),
+                                  (["--strategy", "tp"], False, False)):
+        cfg = gpt.resolve(gpt.parse_args(["--model", "tiny", *flags]))
+        defaults = gpt.make_optimizer(cfg, gpt.build_model(cfg)).defaults
+        assert (defaults["fused"], defaults["foreach"]) == (fused, foreach), flags
+
+
 def test_beta2_reaches_adamw_and_a_run_saved_before_it_existed_resumes(tmp_path):
     cfg = gpt.resolve(gpt.parse_args(["--model", "tiny", "--beta2", "0.99"]))
-    optimizer = gpt.make_optimizer(cfg, gpt.build_model(cfg), __import__("torch").device("cpu"))
+    optimizer = gpt.make_optimizer(cfg, gpt.build_model(cfg))
     assert all(g["betas"] == (0.9, 0.99) for g in optimizer.param_groups)
     args = ["--model", "tiny", "--accelerator", "cpu", "--num-samples", "16", "--out-dir", tmp_path, "--run-name", "old",
             "--checkpoint-every", "1", "--steps", "1"]
