@@ -327,12 +327,12 @@ def bench_text(args) -> None:
             results[name].append({"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"],
                                   "attention": record.get("attention_kernel")})
         print(f"round {round_ + 1}/{args.repeats} done", flush=True)
-    base = statistics.median(r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"])
+    nano = [r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"]]  # round by round
+    base = statistics.median(nano)
     lines = [f"CPU: {cpu_label()}", "", f"nanoGPT's shakespeare_char CPU recipe, {args.steps} steps, median of "
              f"{args.repeats} alternating round(s); validation loss on the same 2,400 fixed windows of 64 tokens:", "",
              f"`python fabric_gpt.py {' '.join(map(str, NANOGPT_RECIPE))} --steps {args.steps}`", "",
              "| trainer | val loss | tokens/s | vs nanoGPT | same round, median (range) |", "|---|---|---|---|---|"]
-    nano = [r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"]]
     for name, runs in results.items():
         speed = statistics.median(r["tokens_per_s"] for r in runs)
         loss = statistics.median(r["val_loss"] for r in runs)
