@@ -37,7 +37,7 @@ help: ## list the targets
 	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DATASET=text TEXT TOKENIZER VOCAB DATA_DIR EVAL_EVERY EVAL_BATCHES (text, gpt) | PROMPT NEW_TOKENS TEMPERATURE TOP_K (sample) |"
 	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1 ARGS='--more flags' |"
-	@echo "             FORCE=1 STAGES=a,b (lab)"
+	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b (gpu-check)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
@@ -73,7 +73,7 @@ lab: $(SETUP) ## the whole lab, fresh clone to report/REPORT.md; finished stages
 	$(PY) lab.py --runs $(RUNS) $(if $(filter 1 yes true,$(FORCE)),--force) $(call flag,STAGES,--stages)
 
 gpu-check: $(SETUP) ## CUDA machines: every GPU path with a verdict and its figure, into runs/gpu-check/
-	$(PY) lab.py --runs $(RUNS) gpu-check
+	$(PY) gpu_check.py --runs $(RUNS) $(call flag,CHECKS,--checks)
 
 data: $(SETUP) ## download and verify MNIST into data/mnist (MNIST_MIRROR=folder-or-URL when offline)
 	$(PY) datasets_local.py --root data/mnist

@@ -15,7 +15,7 @@ import torch
 from conftest import run_in_process
 import bench
 import fabric_gpt as gpt
-import lab
+import gpu_check
 import hardware
 import strategies
 from fabric_lenet import Config as LenetConfig, LeNet5
@@ -82,18 +82,18 @@ def test_lenet_records_the_dtype_it_computed_in(mnist_dir, tmp_path):
 
 
 def test_nvml_sampler_sees_only_the_visible_gpus():
-    assert lab.visible_gpus(None, 4) == [0, 1, 2, 3]
-    assert lab.visible_gpus("2,0", 4) == [2, 0]
-    assert lab.visible_gpus("1,7,2", 4) == [1]  # CUDA stops at the first device that does not exist
-    assert lab.visible_gpus("MIG-4f1c,GPU-9a2b", 1) == ["MIG-4f1c", "GPU-9a2b"]
-    assert lab.visible_gpus("", 4) == []
+    assert gpu_check.visible_gpus(None, 4) == [0, 1, 2, 3]
+    assert gpu_check.visible_gpus("2,0", 4) == [2, 0]
+    assert gpu_check.visible_gpus("1,7,2", 4) == [1]  # CUDA stops at the first device that does not exist
+    assert gpu_check.visible_gpus("MIG-4f1c,GPU-9a2b", 1) == ["MIG-4f1c", "GPU-9a2b"]
+    assert gpu_check.visible_gpus("", 4) == []
 
 
 def test_nvml_csv_with_commas_in_labels_reads_back(tmp_path):
     path = tmp_path / "nvml.csv"
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(lab.CSV_HEADER)
+        out.writerow(gpu_check.CSV_HEADER)
         out.writerow(["0.50", 0, "", "1.000", "80.000", "GPT tiny, tp on 1 GPU"])  # a MIG slice: no utilization
     rows = list(csv.DictReader(open(path)))
     assert rows == [{"time_s": "0.50", "gpu": "0", "util_pct": "", "mem_used_gib": "1.000", "mem_total_gib": "80.000",
@@ -146,10 +146,10 @@ def test_large_model_verdict_on_a_gpu_without_a_known_peak():
     r = {"memory": {"max_allocated_gb": 30.0}, "memory_setup": {"max_allocated_gb": 7.0}, "planned_gb": 26.0,
          "final_loss": 10.9, "tokens_per_s": 5000.0, "tflops_per_device": 50.0, "tflops_per_device_8n": 60.0,
          "mfu": None, "peak_flops": None, "peak_flops_source": "unknown GPU (not in PEAK_FLOPS)"}
-    ok, figure = lab.big_model_verdict(r)
+    ok, figure = gpu_check.big_model_verdict(r)
     assert ok and "MFU unknown (unknown GPU (not in PEAK_FLOPS))" in figure and "set-up peak 7.0" in figure
     r.update(mfu=0.05, peak_flops=989e12)
-    assert "MFU 5.0% of 989 TFLOPS" in lab.big_model_verdict(r)[1]
+    assert "MFU 5.0% of 989 TFLOPS" in gpu_check.big_model_verdict(r)[1]
 
 
 def test_export_variants_and_l40s_have_peaks():

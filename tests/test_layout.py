@@ -5,7 +5,7 @@ import ast
 
 from conftest import REPO
 
-SCRIPTS = {"fabric_lenet", "fabric_gpt", "bench", "lab", "report"}
+SCRIPTS = {"fabric_lenet", "fabric_gpt", "bench", "lab", "gpu_check", "report"}
 MODULES = ["accounting", "comm_counter", "datasets_local", "flags", "hardware", "hf_export", "perf_model", "ranks",
            "run_state",
            "strategies", "gelu_ext/__init__", "gelu_ext/__main__"]

@@ -1,0 +1,343 @@
+"""Every CUDA path of this repository in a few minutes, each with a verdict and the figure behind it.
+
+    python gpu_check.py --runs runs                 # make gpu-check: every check, into runs/gpu-check/
+    python gpu_check.py --checks gelu,gpt-1.6b      # only the named checks (python gpu_check.py --help lists them)
+
+A check is a few runs of the repository's own commands and a verdict that reads what they wrote. The table of
+checks below is the whole story; the loop at the bottom runs it, writing table.md and gpu-check.json after every
+check (an interrupted check keeps the rows before it) while a thread samples the GPUs through NVML into nvml.csv.
+"""
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+from lab import GPU_CHECK, cuda_devices, last_line, run_logged
+from run_state import RECORD, write_json_atomic
+
+
+# ----------------------------------------------------------------------------- GPU sampling
+def visible_gpus(cuda_visible_devices: str | None, count: int) -> list:
+    """The GPUs CUDA shows this process, as NVML indices (int) or UUIDs (str, GPU-... or MIG-...), in CUDA's
+    order; like CUDA, the list ends at the first entry that names no device."""
+    if cuda_visible_devices is None:
+        return list(range(count))
+    visible = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.isdigit() and int(entry) < count:
+            visible.append(int(entry))
+        elif entry.startswith(("GPU-", "MIG-")):
+            visible.append(entry)
+        else:
+            break
+    return visible
+
+
+CSV_HEADER = ["time_s", "gpu", "util_pct", "mem_used_gib", "mem_total_gib", "label"]
+
+
+class NvmlSampler(threading.Thread):
+    """Utilization and memory of the GPUs this process sees (CUDA_VISIBLE_DEVICES), sampled through NVML while
+    the checks run, into a CSV file (labels quoted). A MIG slice has no utilization counter: left empty."""
+
+    def __init__(self, path: Path, every_s: float = 0.5):
+        super().__init__(daemon=True)
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.path, self.every_s = pynvml, path, every_s
+        by = lambda g: (pynvml.nvmlDeviceGetHandleByIndex(g) if isinstance(g, int)  # noqa: E731
+                        else pynvml.nvmlDeviceGetHandleByUUID(g))
+        self.handles = [by(g) for g in visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), pynvml.nvmlDeviceGetCount())]
+        self.done, self.t0 = threading.Event(), time.time()
+        self.label = ""  # the check running now, written beside each sample
+
+    def sample(self, handle) -> tuple:
+        try:
+            util = self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except self.nvml.NVMLError:  # MIG slices (and some vGPUs) do not report it
+            util = ""
+        mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+        return util, f"{mem.used / 2**30:.3f}", f"{mem.total / 2**30:.3f}"
+
+    def run(self) -> None:
+        with open(self.path, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(CSV_HEADER)
+            while not self.done.wait(self.every_s):
+                for i, h in enumerate(self.handles):
+                    try:
+                        out.writerow([f"{time.time() - self.t0:.2f}", i, *self.sample(h), self.label])
+                    except self.nvml.NVMLError as e:  # a sample lost is no reason to stop sampling
+                        out.writerow([f"{time.time() - self.t0:.2f}", i, "", "", "", f"{self.label} (NVML: {e})"])
+                f.flush()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+
+def nvidia_smi() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"nvidia-smi could not run: {e}"
+
+
+# ----------------------------------------------------------------------------- the runs the checks read
+# A learnable token sequence, SGD without clipping: every strategy must give the single GPU's losses.
+TINY_EXACT = ["--model", "tiny", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1", "--optimizer", "sgd",
+              "--grad-clip", "0", "--lr", "0.5", "--accelerator", "cuda", "--precision", "32-true"]
+TINY_BY_STRATEGY = {  # the single GPU's global batch of 4 on 2 GPUs
+    "ddp": ["--micro-batch-size", "1", "--grad-accum", "2"], "fsdp": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "tp": ["--micro-batch-size", "4"], "pp": ["--micro-batch-size", "2", "--grad-accum", "2"],
+    "deepspeed_stage_1": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "deepspeed_stage_2": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "deepspeed_stage_3": ["--micro-batch-size", "1", "--grad-accum", "2"],
+}
+# 16-mixed from a loss scale of 2^40: the first steps overflow and must be skipped while the run goes on
+FP16_OVERFLOW = ["fabric_gpt.py", "--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--precision", "16-mixed",
+                 "--loss-scale-power", "40", "--accelerator", "cuda", "--micro-batch-size", "4", "--num-samples", "1200",
+                 "--log-every", "50"]
+# ZeRO-Infinity swaps tensors of 1 MiB or more (a wider tiny model) and steps them with DeepSpeed's CPU Adam,
+# so its reference is AdamW on one GPU
+TINY_ADAMW = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--dataset", "ramp",
+              "--num-samples", "48", "--warmup-steps", "1", "--lr", "1e-2", "--accelerator", "cuda", "--micro-batch-size", "4"]
+GELU_DTYPES = ["--dtypes", "float32", "bfloat16", "float16"]
+
+
+def lenet(*flags) -> list:
+    return ["fabric_lenet.py", "--epochs", "1", "--accelerator", "cuda", "--no-tb-images", *flags]
+
+
+def tiny(strategy: str = "", devices: int = 1) -> list:
+    return ["fabric_gpt.py", *TINY_EXACT, *(["--strategy", strategy, "--devices", str(devices)] if strategy else []),
+            *(TINY_BY_STRATEGY[strategy] if strategy else ["--micro-batch-size", "4"])]
+
+
+def gpt_1_6b(memory_gib: float) -> list:
+    """The course's model for 8 steps; AdamW on 1.56B needs ~25 GiB of states plus activations, so a GPU under
+    48 GiB recomputes them (--grad-checkpointing)."""
+    return ["fabric_gpt.py", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda", "--micro-batch-size",
+            "1", "--steps", "8", "--num-samples", "64", *([] if memory_gib >= 48 else ["--grad-checkpointing"])]
+
+
+# ----------------------------------------------------------------------------- verdicts: (passed, the figure)
+def record(out: Path, run: str) -> dict:
+    return json.loads((out / run / RECORD).read_text())
+
+
+def losses(out: Path, run: str) -> list:
+    return [loss for _, loss in record(out, run)["losses"]]
+
+
+def lenet_trained(out: Path, run: str):
+    r = record(out, run)
+    return r["test_acc"] >= 0.97, f"test acc {100 * r['test_acc']:.2f}% after 1 epoch, {r['samples_per_s']:,.0f} samples/s"
+
+
+def lenet_graphed(out: Path, run: str):
+    r = record(out, run)
+    return (r["test_acc"] >= 0.97 and r["cuda_graphs"] == "captured and replayed",
+            f"CUDA graphs {r['cuda_graphs']}, no host sync in a step, test acc {100 * r['test_acc']:.2f}% after 1 "
+            f"epoch, {r['samples_per_s']:,.0f} samples/s")
+
+
+def lenet_bf16_on_dp(out: Path, run: str):
+    """DataParallel's worker threads once ran bf16 autocast as float16: the record names what conv1 ran in."""
+    r = record(out, run)
+    return (r["test_acc"] >= 0.97 and r["compute_dtype"] == "torch.bfloat16",
+            f"conv1 computed in {r['compute_dtype']}, test acc {100 * r['test_acc']:.2f}% after 1 epoch")
+
+
+def gelu_matches(out: Path, run: str):
+    checked = json.loads((out / run / "check.json").read_text())
+    bench = json.loads((out / run / "bench.json").read_text())["rows"]
+    worst = max(r["forward_max_abs_err"] for r in checked["rows"] if r["dtype"] == "float32")
+    ratio = max(r["ratio"] for r in bench if r["impl"] == "gelu_cpp")
+    kernel = checked["env"].get("cuda_implementation", "?")
+    return (all(r["gradcheck_float64"] for r in checked["rows"]) and worst < 1e-5,
+            f"max |dy| {worst:.1e} (float32), gradcheck float64 passed, {kernel}: time vs F.gelu up to {ratio:.2f}x "
+            "(float32, bf16, fp16; goal 1.1x)")
+
+
+def same_losses(out: Path, run: str, reference: str, tolerance: float):
+    """Every step's loss of `run` within `tolerance` (relative) of the reference run's."""
+    got, want = losses(out, run), losses(out, reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    return len(got) == len(want) and worst < tolerance, f"largest relative loss difference {worst:.1e} over {len(want)} steps"
+
+
+def overflow_survived(out: Path, run: str, steps: int = 300):
+    r = record(out, run)
+    ok = r["steps"] == steps and 0 < r["skipped_steps"] < steps and not math.isnan(r["final_loss"])
+    return ok, f"{r['skipped_steps']} of {r['steps']} steps skipped, loss {r['first_loss']:.3f} .. {r['final_loss']:.3f}"
+
+
+def loss_range(out: Path, run: str):
+    got = losses(out, run)
+    return True, f"losses {got[0]:.4f} .. {got[-1]:.4f}"
+
+
+def big_model_verdict(r: dict) -> tuple[bool, str]:
+    """The large run trained (finite loss) within its memory plan; its speed, with MFU where the GPU's peak is known."""
+    mem = r["memory"]["max_allocated_gb"]
+    mfu = (f"MFU {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e12:.0f} TFLOPS" if r["mfu"] is not None
+           else f"MFU unknown ({r['peak_flops_source']})")
+    setup = r.get("memory_setup", {}).get("max_allocated_gb")
+    predicted = r.get("predicted")
+    step = (f"step {1e3 * r['step_time_s']:.0f} ms vs predicted {1e3 * predicted['step_time_s']:.0f} ms "
+            f"({predicted['cluster']}, efficiency {predicted['efficiency']}), " if predicted else "")
+    return (not math.isnan(r["final_loss"]) and mem <= 1.25 * r["planned_gb"], step +
+            f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / {r['tflops_per_device_8n']:.1f} "
+            f"(8N), {mfu}, training peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB"
+            + (f" (set-up peak {setup:.1f})" if setup is not None else "")
+            + (f"; attention {r['attention_kernel']}" if r.get("attention_kernel") else ""))
+
+
+# ----------------------------------------------------------------------------- the table of checks
+@dataclasses.dataclass
+class Check:
+    key: str  # what --checks names
+    name: str  # the table's row
+    runs: list  # (run folder, command) pairs; a run another check already made is not repeated
+    verdict: Callable  # verdict(out, *args) -> (passed, figure)
+    args: tuple = ()
+    gpus: int = 1  # fewer visible: the row says "not run"
+
+
+def checks(gpus: int, memory_gib: float) -> list[Check]:
+    """In the order they run: the newest paths and the course's model first, so a short lease sees them."""
+    single, nvme = ("gpt-single", tiny()), ("gpt-adamw", TINY_ADAMW)
+    table = [
+        Check("lenet-graphs", "LeNet-5 compiled, CUDA graphs", [("lenet-graphs", lenet(
+            "--compile", "--compile-mode", "reduce-overhead", "--sync-check"))], lenet_graphed, ("lenet-graphs",)),
+        Check("gelu", "C++ GELU on CUDA tensors", [("gelu", ["-m", "gelu_ext", "check", "--device", "cuda", *GELU_DTYPES]),
+                                                   ("gelu", ["-m", "gelu_ext", "bench", "--device", "cuda", *GELU_DTYPES])],
+              gelu_matches, ("gelu",)),
+        Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, bf16-mixed", [("gpt-1.6b", gpt_1_6b(memory_gib))],
+              lambda out: big_model_verdict(record(out, "gpt-1.6b"))),
+        *(Check(f"lenet-{p}", f"LeNet-5 {p}", [(f"lenet-{p}", lenet("--precision", p))], lenet_trained, (f"lenet-{p}",))
+          for p in ("32-true", "16-mixed", "bf16-mixed")),
+        Check("lenet-dp", "LeNet-5 dp bf16-mixed, 2 GPUs", [("lenet-dp-bf16", lenet(
+            "--precision", "bf16-mixed", "--strategy", "dp", "--devices", "2"))], lenet_bf16_on_dp, ("lenet-dp-bf16",), gpus=2),
+        Check("gpt-tiny", "GPT tiny, 1 GPU (reference)", [single], loss_range, ("gpt-single",)),
+        # a one-rank mesh still builds and moves the model as the strategy does: tp and pp once never left the CPU
+        *(Check(f"{s}-1", f"GPT tiny, {s} on 1 GPU", [single, (f"gpt-{s}-1", tiny(s, 1))], same_losses,
+                (f"gpt-{s}-1", "gpt-single", 1e-3)) for s in ("tp", "pp")),
+        *(Check(s, f"GPT tiny, {s} on 2 GPUs", [single, (f"gpt-{s}", tiny(s, 2))], same_losses,
+                (f"gpt-{s}", "gpt-single", 1e-3), gpus=2) for s in TINY_BY_STRATEGY),
+        Check("fp16", "GPT tiny 16-mixed, overflow, Fabric", [("gpt-fp16", FP16_OVERFLOW)], overflow_survived, ("gpt-fp16",)),
+        Check("fp16-zero2", "GPT tiny 16-mixed, overflow, ZeRO-2",
+              [("gpt-fp16-ds", [*FP16_OVERFLOW, "--strategy", "deepspeed_stage_2"])], overflow_survived, ("gpt-fp16-ds",)),
+        Check("nvme", "GPT tiny, ZeRO-3 NVMe offload, 1 GPU",
+              [nvme, ("gpt-nvme", [*TINY_ADAMW, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "{out}/nvme"])],
+              same_losses, ("gpt-nvme", "gpt-adamw", 2e-3)),
+    ]
+    return table
+
+
+CHECK_KEYS = [c.key for c in checks(2, 80)]
+
+
+def command_for(run: str, command: list, out: Path) -> list:
+    """A check's command with its output folder: training runs get --out-dir/--run-name, gelu_ext --out."""
+    command = [str(a).replace("{out}", str(out)) for a in command]
+    if command[0] == "-m":
+        return [*command, "--out", out / run]
+    return [*command, "--out-dir", out, "--run-name", run]
+
+
+def run_check(check: Check, out: Path, log: Path, done: set) -> dict:
+    """Run the check's commands that no earlier check ran, then its verdict (a verdict that cannot be read
+    fails the check, with its cause)."""
+    t0, code = time.time(), 0
+    for run, command in check.runs:
+        if code == 0 and (run, tuple(command)) not in done:
+            code = run_logged(command_for(run, command, out), log)
+            done.add((run, tuple(command)))
+    try:
+        ok, figure = check.verdict(out, *check.args) if code == 0 else (False, f"exit {code}: {last_line(log)}")
+    except Exception as e:
+        ok, figure = False, f"{type(e).__name__}: {e}"
+    return {"check": check.name, "verdict": "pass" if ok else "FAIL", "figure": figure, "seconds": time.time() - t0}
+
+
+def write_table(out: Path, rows: list, gpus: int) -> list[str]:
+    import torch
+
+    summary = {"date": f"{datetime.now():%Y-%m-%d}", "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
+               "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows}
+    write_json_atomic(out / "gpu-check.json", summary)
+    lines = [f"GPU check on {gpus} x {summary['gpu']} ({summary['date']}, torch {summary['torch']}, CUDA {summary['cuda']}):",
+             "", "| check | verdict | figure | s |", "|---|---|---|---|"]
+    lines += [f"| {r['check']} | {r['verdict']} | {r['figure']} | {r['seconds']:.0f} |" for r in rows]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def gpu_check(runs: Path, keys: list[str] | None = None) -> int:
+    gpus = cuda_devices()
+    if not gpus:
+        print("gpu-check: no CUDA GPU is visible on this machine (torch.cuda.is_available() is False); "
+              "run it on a CUDA machine", file=sys.stderr)
+        return 1
+    import torch
+
+    out = Path(runs) / GPU_CHECK
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    sampler = NvmlSampler(out / "nvml.csv")
+    sampler.start()
+    rows, done, log = [], set(), out / "gpu-check.log"
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    for check in checks(gpus, memory_gib):
+        if keys and check.key not in keys:
+            continue
+        if check.gpus > gpus:
+            row = {"check": check.name, "verdict": "not run", "figure": f"needs {check.gpus} GPUs", "seconds": 0}
+        else:
+            sampler.label = check.name
+            snapshot = threading.Timer(60, lambda: (out / "nvidia-smi.txt").write_text(nvidia_smi()))
+            if check.key == "gpt-1.6b":
+                snapshot.start()  # one nvidia-smi table while the large model trains (the course's screenshot)
+            row = run_check(check, out, log, done)
+            snapshot.cancel()
+        rows.append(row)
+        print(f"{row['check']:<34} {row['verdict']:<7}  {row['figure']}", flush=True)
+        write_table(out, rows, gpus)
+    if not (out / "nvidia-smi.txt").exists():
+        (out / "nvidia-smi.txt").write_text(nvidia_smi())
+    sampler.stop()
+    print("\n".join(write_table(out, rows, gpus)) + f"\nwrote {out}/table.md, gpu-check.json, nvml.csv")
+    return 0 if all(r["verdict"] != "FAIL" for r in rows) else 1
+
+
+def build_parser():
+    from flags import Folder, Names, Parser
+
+    parser = Parser(description=__doc__, prog="gpu_check.py")
+    parser.add_argument("--runs", default="runs", type=Folder(), help="folder for runs/gpu-check (default: runs)")
+    parser.add_argument("--checks", default="", type=Names(CHECK_KEYS), help="comma-separated checks to run "
+                        f"(default: all): {', '.join(CHECK_KEYS)}")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return gpu_check(args.runs, args.checks.split(",") if args.checks else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
