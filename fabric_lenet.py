@@ -8,6 +8,7 @@
 Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json and record.json. Notes: docs/lenet.md.
 """
 
+import collections
 import contextlib
 import ctypes
 import json
@@ -57,8 +58,8 @@ class Config:
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)")
     compile_mode: str = opt("default", "torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
                             ("default", "reduce-overhead", "max-autotune"))
-    sync_check: bool = opt(False, "CUDA: fail at any host synchronisation inside a step after the third "
-                           "(torch.cuda.set_sync_debug_mode)")
+    sync_check: bool = opt(False, "CUDA: fail at any host synchronisation inside a step, from the fourth step of "
+                           "each batch shape on (the first compile and capture; torch.cuda.set_sync_debug_mode)")
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU")
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
                             min=6, max=64, zero=True)
@@ -320,6 +321,7 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
     world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
     epoch_steps = steps_per_epoch(len(train_set), cfg, world)
     result, pending = {}, []  # pending: (step, loss on the device, samples) since the last check point
+    shapes = collections.Counter()  # a new batch shape (an epoch's last batch) is compiled and captured anew
     while progress.epoch < cfg.epochs:
         epoch = progress.epoch
         order = epoch_order(len(train_set), epoch, cfg, fabric.global_rank, world)
@@ -331,7 +333,8 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
         if cfg.max_steps:
             left = max(0, min(left, cfg.max_steps - progress.global_step))
         for xb, yb in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
-            with host_sync_forbidden(cfg.sync_check and progress.global_step >= 3):  # after warm-up and capture
+            shapes[xb.shape] += 1
+            with host_sync_forbidden(cfg.sync_check and shapes[xb.shape] > 3):  # after warm-up and capture
                 xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
                 if cfg.channels_last:
                     xb = xb.contiguous(memory_format=torch.channels_last)

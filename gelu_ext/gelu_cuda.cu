@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>  // not ATen/cuda/CUDAContext.h: it needs cuBLAS/cuSPARSE headers a bare toolkit lacks
 #include <torch/library.h>
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -65,9 +66,55 @@ __global__ void backward_kernel(const scalar_t* __restrict__ g, const scalar_t* 
   }
 }
 
-// Enough blocks to fill every SM several times over; the grid-stride loop covers any n.
-unsigned blocks_for(int64_t n) {
-  const int64_t per_block = int64_t(kThreads) * kUnroll;
+// One thread loads and stores 16 bytes at a time (4 floats, 8 bfloat16/float16, 2 doubles), as ATen's own
+// elementwise kernels do: 2-byte loads left a bfloat16 GELU at 2.1x F.gelu's time on an H200. Used when every
+// pointer is 16-byte aligned (fresh allocations are); the elements past the last full pack go one by one.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+template <typename scalar_t>
+__global__ void forward_pack_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t n, bool tanh_approx) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr int V = 16 / sizeof(scalar_t);
+  using pack_t = Pack<scalar_t, V>;
+  const int64_t packs = n / V, stride = int64_t(gridDim.x) * blockDim.x, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t p = first; p < packs; p += stride) {
+    const pack_t in = reinterpret_cast<const pack_t*>(x)[p];
+    pack_t out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.v[k] = scalar_t(gelu_value(opmath_t(in.v[k]), tanh_approx));
+    reinterpret_cast<pack_t*>(y)[p] = out;
+  }
+  for (int64_t i = packs * V + first; i < n; i += stride) y[i] = scalar_t(gelu_value(opmath_t(x[i]), tanh_approx));
+}
+
+template <typename scalar_t>
+__global__ void backward_pack_kernel(const scalar_t* __restrict__ g, const scalar_t* __restrict__ x,
+                                     scalar_t* __restrict__ dx, int64_t n, bool tanh_approx) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr int V = 16 / sizeof(scalar_t);
+  using pack_t = Pack<scalar_t, V>;
+  const int64_t packs = n / V, stride = int64_t(gridDim.x) * blockDim.x, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t p = first; p < packs; p += stride) {
+    const pack_t gp = reinterpret_cast<const pack_t*>(g)[p], xp = reinterpret_cast<const pack_t*>(x)[p];
+    pack_t out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.v[k] = scalar_t(gelu_grad_value(opmath_t(gp.v[k]), opmath_t(xp.v[k]), tanh_approx));
+    reinterpret_cast<pack_t*>(dx)[p] = out;
+  }
+  for (int64_t i = packs * V + first; i < n; i += stride) {
+    dx[i] = scalar_t(gelu_grad_value(opmath_t(g[i]), opmath_t(x[i]), tanh_approx));
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Enough blocks to fill every SM several times over; the grid-stride loops cover any n. `per_thread`: the
+// elements one thread takes in one pass.
+unsigned blocks_for(int64_t n, int64_t per_thread) {
+  const int64_t per_block = int64_t(kThreads) * per_thread;
   const int64_t wanted = (n + per_block - 1) / per_block;
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -85,8 +132,14 @@ at::Tensor gelu_forward_cuda(const at::Tensor& input, std::string approximate) {
   const int64_t n = x.numel();
   if (n == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_forward_cuda", [&] {
-    forward_kernel<scalar_t><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(), n, tanh_approx);
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    if (aligned16(xp) && aligned16(yp)) {
+      forward_pack_kernel<scalar_t><<<blocks_for(n, 16 / sizeof(scalar_t)), kThreads, 0, stream>>>(xp, yp, n, tanh_approx);
+    } else {
+      forward_kernel<scalar_t><<<blocks_for(n, kUnroll), kThreads, 0, stream>>>(xp, yp, n, tanh_approx);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return y;
@@ -100,8 +153,14 @@ at::Tensor gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& input, s
   const int64_t n = x.numel();
   if (n == 0) return dx;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_ext_backward_cuda", [&] {
-    backward_kernel<scalar_t><<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(), n, tanh_approx);
+    const scalar_t *gp = g.const_data_ptr<scalar_t>(), *xp = x.const_data_ptr<scalar_t>();
+    scalar_t* dp = dx.mutable_data_ptr<scalar_t>();
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    if (aligned16(gp) && aligned16(xp) && aligned16(dp)) {
+      backward_pack_kernel<scalar_t><<<blocks_for(n, 16 / sizeof(scalar_t)), kThreads, 0, stream>>>(gp, xp, dp, n, tanh_approx);
+    } else {
+      backward_kernel<scalar_t><<<blocks_for(n, kUnroll), kThreads, 0, stream>>>(gp, xp, dp, n, tanh_approx);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return dx;
