@@ -100,22 +100,57 @@ def time_interleaved(fns: dict, x: torch.Tensor, repeats: int, warmup: int = 3) 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def queued_ms(fn, device: str, calls: int = 50) -> float:
+    """Milliseconds a call of `fn` when `calls` of them are queued back to back: on a GPU, CUDA events around the
+    loop time the kernels, not the host's per-call work (which overlaps them)."""
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return 1e3 * (time.perf_counter() - start) / calls
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / calls
+
+
+def op_ratios(x: torch.Tensor, approximate: str) -> dict:
+    """The C++ operator's forward and backward alone (no autograd) against ATen's GELU ops, queued."""
+    grad = torch.ones_like(x)
+    ops, device = torch.ops.gelu_ext, x.device.type
+    forward = queued_ms(lambda: ops.gelu_forward(x, approximate), device) / queued_ms(
+        lambda: torch.ops.aten.gelu(x, approximate=approximate), device)
+    backward = queued_ms(lambda: ops.gelu_backward(grad, x, approximate), device) / queued_ms(
+        lambda: torch.ops.aten.gelu_backward(grad, x, approximate=approximate), device)
+    return {"forward_op_ratio": forward, "backward_op_ratio": backward}
+
+
 def bench(args) -> int:
     load_cpp()
     rows = []
     print(f"forward+backward of {args.numel:,} elements on {args.device}, median of {args.repeats} interleaved repetitions "
           f"after warm-up, {torch.get_num_threads()} threads")
-    print(f"{'dtype':<10}{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}")
+    print(f"{'dtype':<10}{'approx':<7}{'impl':<13}{'ms':>9}{'vs F.gelu':>11}   the C++ ops alone, queued, vs ATen's")
     for dtype in args.dtypes:
         x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(args.device, getattr(torch, dtype))
         for approximate in APPROXIMATIONS:
             impls = {"F.gelu": lambda t: F.gelu(t, approximate=approximate),
                      "gelu_py": lambda t: gelu_py(t, approximate), "gelu_cpp": lambda t: gelu_cpp(t, approximate)}
             seconds = time_interleaved(impls, x, args.repeats)
+            ops = op_ratios(x, approximate)
             for name, sec in seconds.items():
                 ratio = sec / seconds["F.gelu"]
-                rows.append({"dtype": dtype, "approximate": approximate, "impl": name, "ms": 1e3 * sec, "ratio": ratio})
-                print(f"{dtype:<10}{approximate:<7}{name:<13}{1e3 * sec:>9.2f}{ratio:>10.2f}x")
+                rows.append({"dtype": dtype, "approximate": approximate, "impl": name, "ms": 1e3 * sec, "ratio": ratio,
+                             **(ops if name == "gelu_cpp" else {})})
+                alone = (f"   forward {ops['forward_op_ratio']:.2f}x, backward {ops['backward_op_ratio']:.2f}x"
+                         if name == "gelu_cpp" else "")
+                print(f"{dtype:<10}{approximate:<7}{name:<13}{1e3 * sec:>9.2f}{ratio:>10.2f}x{alone}")
     write_json_atomic(f"{args.out}/bench.json", {"numel": args.numel, "repeats": args.repeats, "rows": rows, "device": args.device,
                                                  "env": environment()})
     print(f"wrote {args.out}/bench.json")
