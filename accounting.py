@@ -1,13 +1,18 @@
 """The arithmetic behind fabric_gpt.py's figures: FLOPs per token, peak FLOP/s (datasheet dense peaks for
 GPUs, a measured matmul probe for CPUs), peak memory, and the per-device memory plan of every strategy."""
 
+import dataclasses
+import os
 import resource
 import time
 
 import psutil
 import torch
 
-from strategies import data_parallel_size, fsdp_gathers_bf16, is_deepspeed, pp_size, tp_size, zero_stage
+from flags import ConfigError
+from gpt_model import SDPA_FLOAT32, count_parameters
+from layout import layout
+from strategies import fsdp_gathers_bf16
 
 # Dense (not sparse) peak FLOP/s per GPU from NVIDIA's datasheets, for the dtype the matmuls run in.
 # Lightning's get_available_flops lists some sparse figures (H100 NVL, H200) and misses names, so it is not used.
@@ -94,19 +99,6 @@ def flops_per_token(cfg, n_params: int) -> dict:
     return {"standard": 6 * n_params + attention, "course_8n": 8 * n_params}
 
 
-def return_freed_host_memory() -> None:
-    """Hand the memory set-up freed back to the system (glibc keeps freed heap otherwise): ZeRO-Infinity creates
-    each partition's fp32 weights in host memory before swapping them to NVMe, and without this the process kept
-    those gigabytes through training."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak on a GPU; a process's peak resident memory (CPU) cannot be reset."""
     if device.type == "cuda":
@@ -124,59 +116,11 @@ def peak_memory(device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------- memory plan
 # ----------------------------------------------------------------------------- the model's shape
-def gpt2_config(cfg, attention: str | None = None):
-    """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache), with the attention the run
-    computes (attention_implementation) unless `attention` names one."""
-    from transformers import GPT2Config
-
-    # GPT-2's tanh GELU as one kernel: the same function as gelu_new, whose eight elementwise ops took 15% of a CPU
-    # step of the nanoGPT recipe (python bench.py text) and saved 12 of a block's 112 bytes per element for backward
-    return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
-                      activation_function="gelu_pytorch_tanh",
-                      vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
-                      eos_token_id=cfg.vocab_size - 1, attn_implementation=attention or attention_implementation(cfg))
-
-
-SDPA_FLOAT32 = "sdpa_float32"
-
-
-def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention computed in float32, outside autocast, for a run whose 16-bit attention is the
-    slower (cpu_probe.float32_attention_faster); the output goes back to the run's dtype for the projection."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    with torch.autocast(query.device.type, enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), weights
-
-
-def attention_implementation(cfg) -> str:
-    """"sdpa" (transformers' default), or SDPA_FLOAT32 for a 16-bit run whose --attention-precision is float32
-    (fabric_gpt.resolve_attention decides auto before anything is built)."""
-    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    if not half or getattr(cfg, "attention_precision", "autocast") != "float32":
-        return "sdpa"
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(SDPA_FLOAT32, sdpa_in_float32)
-    return SDPA_FLOAT32
-
-
-def count_parameters(cfg) -> tuple[int, str]:
-    """(parameters, attention implementation), from the model on the meta device (no memory)."""
-    from transformers import GPT2LMHeadModel
-
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(cfg))
-    return sum(p.numel() for p in model.parameters()), model.config._attn_implementation  # tied wte/lm_head once
-
-
 def weight_bytes(cfg) -> int:
     """Bytes per parameter (and gradient) as a run keeps them: 2 where the weights themselves are 16-bit (DeepSpeed
     runs the model in its 16-bit precision; bf16-true everywhere), else 4 (autocast keeps float32 weights)."""
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    return 2 if (half and is_deepspeed(cfg.strategy)) or cfg.precision == "bf16-true" else 4
+    return 2 if (half and layout(cfg).deepspeed) or cfg.precision == "bf16-true" else 4
 
 
 def block_params(h: int) -> int:
@@ -190,12 +134,13 @@ def largest_layer_params(cfg) -> int:
 def model_states(cfg, P: int) -> dict:
     """Bytes per device of weights, gradients and optimizer state. 16-bit DeepSpeed follows its own
     estimate_zero2/3_model_states_mem_needs; the rest counts what each strategy keeps on a rank."""
-    N, stage, offload = cfg.devices * cfg.num_nodes, zero_stage(cfg.strategy), cfg.strategy.endswith("_offload")
+    lay = layout(cfg)
+    N, stage, offload = lay.world, lay.zero_stage, lay.offload
     per = weight_bytes(cfg)
     h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
     states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "ddp_buckets": 0.0, "gathered_layer": 0.0}
     moments = 2 if cfg.optimizer == "adamw" else 0  # AdamW's m and v; plain SGD keeps none
-    if is_deepspeed(cfg.strategy):
+    if lay.deepspeed:
         if per == 2:  # 16-bit weights and grads; fp32 grads, master weights, Adam m and v per partition (4+4+8)
             states.update(params=2 * P / N if stage == 3 else 2 * P,
                           grads=0 if stage == 3 else 2 * P / N if stage == 2 else 2 * P, optimizer=(8 + 4 * moments) * P / N)
@@ -208,24 +153,24 @@ def model_states(cfg, P: int) -> dict:
             states.update(optimizer=0, grads=0, master=0, params=0 if stage == 3 else states["params"])
         return states
     # Fabric's strategies keep fp32 weights under autocast; bf16-true holds everything in 2 bytes
-    t, p = tp_size(cfg), pp_size(cfg)
+    t, p = lay.tp_size, lay.pp_size
     blocks = L * block_params(h)
     embeddings = V * h + S * h
-    if cfg.strategy in ("tp", "fsdp_tp"):
+    if lay.tensor_parallel:
         # matrices and the column-parallel biases are split t ways; LayerNorms, the row-parallel biases
         # and the embeddings are replicated (Korthikanti et al. 2022, no sequence parallelism)
         split = L * (12 * h * h + 3 * h + 4 * h)
         held = split / t + (blocks - split) + embeddings + 2 * h
-    elif cfg.strategy == "pp":
+    elif lay.pipeline:
         layers = -(-L // p)  # the first stages take the extra layer
         held = layers * block_params(h) + max(embeddings, V * h + 2 * h)  # first stage: wte+wpe; last: ln_f+head
     else:
         held = P
-    shard = data_parallel_size(cfg) if cfg.strategy in ("fsdp", "fsdp_tp") else 1
+    shard = lay.dp_size if lay.fsdp else 1
     states.update(params=per * held / shard, grads=per * held / shard, optimizer=moments * per * held / shard)
-    if cfg.strategy == "ddp" and N > 1:
+    if lay.replicated and N > 1:
         states["ddp_buckets"] = per * P  # DDP all-reduces from buckets that copy every gradient
-    if cfg.strategy in ("fsdp", "fsdp_tp"):
+    if lay.fsdp:
         # one block's weights, then its gradients (under bf16 gathering: bf16 weights, float32 gradients to reduce)
         states["gathered_layer"] = (2 + 4 if fsdp_gathers_bf16(cfg) else 2 * per) * block_params(h) / t
     return states
@@ -234,12 +179,13 @@ def model_states(cfg, P: int) -> dict:
 def held_states_plan(cfg, P: int) -> dict:
     """The plan of what held_bytes measures: weights, fp32 master weights and optimizer moments one rank holds,
     wherever they live (the device, or the host under ZeRO-Offload, where the device plan counts none)."""
-    if not is_deepspeed(cfg.strategy):
+    lay = layout(cfg)
+    if not lay.deepspeed:
         states = model_states(cfg, P)
         return {k: states[k] for k in ("params", "master", "optimizer")}
-    N, word = cfg.devices * cfg.num_nodes, weight_bytes(cfg)
+    N, word = lay.world, weight_bytes(cfg)
     moments = 2 if cfg.optimizer == "adamw" else 0
-    return {"params": word * P / N if zero_stage(cfg.strategy) == 3 else word * P, "master": 4 * P / N,
+    return {"params": word * P / N if lay.zero_stage == 3 else word * P, "master": 4 * P / N,
             "optimizer": 4 * moments * P / N}
 
 
@@ -261,10 +207,11 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
-    autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy)
+    lay = layout(cfg)
+    autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not lay.deepspeed
     w = 2 if half else 4
     r = 4 if (autocast or not half) and not fsdp_gathers_bf16(cfg) else 2  # bf16 gathers: bf16 inside the blocks
-    t, p = tp_size(cfg), pp_size(cfg)
+    t, p = lay.tp_size, lay.pp_size
     scores = 5 * a * s / h * w / 2 if attn_implementation == "eager" else 0
     # attention: q, k, v and its output as SDPA saves them (w each), or, computed in float32 (SDPA_FLOAT32), in 4
     # bytes each, the output then cast back for c_proj, which saves that copy (w)
@@ -277,7 +224,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     logits = s * b * V * (w + 4 + 4) / t
     layers = -(-L // p)
     in_flight = 1
-    if cfg.strategy == "pp":  # the first stage holds activations of up to p (1F1B) or m (GPipe) micro-batches
+    if lay.pipeline:  # the first stage holds activations of up to p (1F1B) or m (GPipe) micro-batches
         in_flight = min(p, cfg.grad_accum) if cfg.pp_schedule == "1f1b" else cfg.grad_accum
     full = in_flight * layers * (per_layer + weight_copies) + head + logits
     # checkpointing keeps each block's input (the residual stream) and recomputes one block at a time
@@ -299,11 +246,12 @@ def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
     plan = {**states, **acts, "activations": activations, "total": sum(states.values()) + activations,
             "n_params": n_params, "largest_layer_params": largest_layer_params(cfg),
             "model_states": sum(states.values()) - states["gathered_layer"]}
-    if cfg.strategy == "pp":
-        m, p = cfg.grad_accum, pp_size(cfg)
+    lay = layout(cfg)
+    if lay.pipeline:
+        m, p = cfg.grad_accum, lay.pp_size
         plan["bubble_fraction"] = (p - 1) / (m + p - 1)
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    plan["deepspeed_estimate"] = deepspeed_estimate(cfg, n_params) if is_deepspeed(cfg.strategy) and half else None
+    plan["deepspeed_estimate"] = deepspeed_estimate(cfg, n_params) if lay.deepspeed and half else None
     return plan
 
 
@@ -331,11 +279,12 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
       offload       CPU offload: fp32 master weights, Adam's moments and fp32 gradients of the partition (and the
                     16-bit weights under ZeRO-3); NVMe: the partition's fp32 gradient, fp32 and 16-bit weights
                     (measured: DeepSpeed keeps them in host memory) and ZeRO-Infinity's sub-group and swap buffers"""
-    dp, stage = data_parallel_size(cfg), zero_stage(cfg.strategy)
+    lay = layout(cfg)
+    dp, stage = lay.dp_size, lay.zero_stage
     word = weight_bytes(cfg)
     partition = n_params / dp
     offload = 0.0
-    if cfg.strategy.endswith("_offload"):
+    if lay.offload:
         if cfg.nvme_path:  # measured on the 1.6B model (docs/gpt.md): the partition's fp32 gradient and fp32 and
             # 16-bit weights stay in host memory (10 bytes per element under bf16) besides the swap buffers
             offload = partition * (4 + 4 + word) + NVME_SUB_GROUP * 16 + (NVME_PARAM_BUFFERS + NVME_MAX_IN_CPU) * word
@@ -351,8 +300,7 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
     # freed after the step, are still in the process's heap (glibc keeps them for the next step): measured on CPU,
     # the peak is then states x 2 + gradients above the libraries (docs/gpt.md)
     states = device_plan["params"] + device_plan["optimizer"] + device_plan["master"]
-    checkpoint = 0 if on_gpu or is_deepspeed(cfg.strategy) or cfg.strategy in ("fsdp", "tp", "fsdp_tp", "pp") \
-        else 2 * states + device_plan["grads"]
+    checkpoint = 0 if on_gpu or lay.sharded_states else 2 * states + device_plan["grads"]
     per_process = baseline + max(construction, training, checkpoint)
     return {"baseline": baseline, "construction": construction, "offload": offload, "training": training,
             "checkpoint": checkpoint, "per_process": per_process, "machine": per_process * cfg.devices}
@@ -365,7 +313,7 @@ def process_baseline() -> float:
 
 def deepspeed_estimate(cfg, n_params: int) -> float | None:
     """DeepSpeed's own per-GPU model-state estimate for ZeRO-2/3 (it has none for stage 1)."""
-    stage, offload = zero_stage(cfg.strategy), cfg.strategy.endswith("_offload")
+    stage, offload = layout(cfg).zero_stage, layout(cfg).offload
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -399,3 +347,78 @@ def held_bytes(model, optimizer) -> dict:
         m for m, w in zip(getattr(outer, "fp32_partitioned_groups_flat", []), getattr(outer, "fp16_partitioned_groups_flat", []))
         if m is not None and (w is None or m.untyped_storage().data_ptr() != w.untyped_storage().data_ptr())]
     return {"params": params, "master": sum(nbytes(m) for m in masters), "optimizer": state}
+
+
+# ----------------------------------------------------------------------------- a run's plans, and what would fit
+def device_plan(cfg, on_gpu: bool, counted: tuple[int, str] | None = None) -> dict:
+    """The memory plan per device of this run (accounting.memory_plan) on the accelerator it runs on; `counted` is
+    count_parameters(cfg) when the caller has it."""
+    n_params, attn = counted or count_parameters(cfg)
+    return memory_plan(dataclasses.replace(cfg, accelerator="cuda" if on_gpu else "cpu"), n_params, attn)
+
+
+def host_plan(cfg, on_gpu: bool, counted: tuple[int, str] | None = None, device: dict | None = None) -> dict:
+    """Host RAM per process and for this machine's processes (host_memory_plan), from the device plan
+    (made here unless the caller has it)."""
+    if layout(cfg).deepspeed:
+        import deepspeed  # noqa: F401  (imported by every rank anyway: its memory belongs to the baseline)
+    device = device or device_plan(cfg, on_gpu, counted)
+    return host_memory_plan(cfg, device["n_params"], device, on_gpu, process_baseline())
+
+
+def host_available(cfg) -> float:
+    return cfg.host_memory_gb * 2**30 or psutil.virtual_memory().available
+
+
+def host_fits(need: float, available: float) -> bool:
+    return need * (1 + HOST_PLAN_MARGIN) <= available  # the plan's measured error, kept
+
+
+def check_host_memory(cfg, on_gpu: bool) -> None:
+    """Refuse, before any model exists, a run whose processes would not fit this machine's memory (the kernel
+    would kill one mid-run), naming the figures and settings that would fit. Local rank 0 decides for the machine:
+    ranks launched after it would see its own memory as taken."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    counted = count_parameters(cfg)  # the levers below change memory, not the model
+    host, available = host_plan(cfg, on_gpu, counted), host_available(cfg)
+    if host_fits(host["machine"], available):
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    offload = f", of which offload {gib(host['offload'])}" if host["offload"] else ""
+    fixes = [f"{advice} ({gib(need)})" for advice, need in host_memory_fixes(cfg, on_gpu, available, counted)]
+    margin = f"{100 * HOST_PLAN_MARGIN:.0f}%"
+    raise ConfigError(
+        f"this run needs about {gib(host['machine'])} of host memory and {gib(available)} is available (the plan keeps "
+        f"{margin}, its measured error): {cfg.devices} process(es) x {gib(host['per_process'])} = libraries "
+        f"{gib(host['baseline'])} + the larger of building the model ({gib(host['construction'])}), training "
+        f"({gib(host['training'])}{offload}) and saving a checkpoint ({gib(host['checkpoint'])})."
+        f" Would fit: {'; '.join(fixes[:3]) if fixes else 'nothing this machine can change (checkpointing, micro-batch 1, bf16, ZeRO-3, NVMe offload): use a smaller model or a larger machine'}"
+        f". (--host-memory-gb overrides the available figure.)")
+
+
+# What lowers a run's host memory, cheapest first: each is tried alone, then with those before it
+HOST_LEVERS = (("--grad-checkpointing", {"grad_checkpointing": True}),
+               ("--micro-batch-size 1", {"micro_batch_size": 1}),
+               ("--precision bf16-mixed", {"precision": "bf16-mixed"}),
+               ("--strategy deepspeed_stage_3", {"strategy": "deepspeed_stage_3"}),
+               ("--strategy deepspeed_stage_3_offload --nvme-path DIR", {"strategy": "deepspeed_stage_3_offload",
+                                                                         "nvme_path": "DIR"}))
+
+
+def host_memory_fixes(cfg, on_gpu: bool, available: float, counted: tuple[int, str]) -> list[tuple[str, float]]:
+    """(flags to add, host bytes then) for each setting, or setting with the cheaper ones before it, that makes the
+    run fit; a lever already in use is never advised, nor one the run's other settings refuse."""
+    fixes, chosen = [], []  # chosen: the levers tried so far, a later one replacing any that sets the same thing
+    for advice, change in HOST_LEVERS:
+        if all(getattr(cfg, k) == v or (k == "nvme_path" and cfg.nvme_path) for k, v in change.items()):
+            continue  # in use already (any NVMe folder is the NVMe lever)
+        chosen = [(a, c) for a, c in chosen if not set(c) & set(change)] + [(advice, change)]
+        for levers in ([(advice, change)], chosen):
+            other = dataclasses.replace(cfg, **{k: v for _, c in levers for k, v in c.items()})
+            if other.optimizer == "sgd" and other.strategy.endswith("_offload"):
+                continue  # ZeRO-Offload steps with DeepSpeed's CPU Adam only (validate refuses sgd there)
+            need, text = host_plan(other, on_gpu, counted)["machine"], " ".join(a for a, _ in levers)
+            if host_fits(need, available) and text not in (f for f, _ in fixes):
+                fixes.append((text, need))
+    return fixes

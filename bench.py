@@ -19,9 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from hardware import cpu_name, cpu_units, isa_caps
-from run_state import read_record, write_json_atomic
+from checkpoints import read_record, write_json_atomic
+from layout import layout
 
 REPO = Path(__file__).resolve().parent
 
@@ -67,7 +69,7 @@ def bench_lenet(args) -> None:
     """Data paths on equal work (the course's per-sample Dataset + DataLoader at batch 64 in float32, with
     0/1/2 workers, against in-memory batches), then the default recipe and the short recipe over several
     seeds: accuracy as mean, std and minimum, throughput, and training time to 99.0% test accuracy."""
-    from fabric_lenet import time_to_accuracy
+    from lenet_figures import time_to_accuracy
 
     out = Path(args.out_dir) / "bench-lenet"
     common = ["--out-dir", out, "--no-tb-images", "--accelerator", "cpu", *args.extra]
@@ -149,13 +151,14 @@ def bench_gpt(args) -> None:
     rows = []
     cases = [(s, p) for p in args.precisions for s in args.strategies]
     for strategy, precision in progress(cases, "gpt sweep"):
-        devices = 1 if strategy == "auto" else args.devices
-        # The same global batch, so every row trains on the same samples: tensor and pipeline parallel
-        # ranks share one batch (pp splits it into one micro-batch per stage), the others split it.
-        shared = strategy in ("tp", "pp")
-        micro = global_batch // (devices if strategy == "pp" else 1 if shared else devices)
-        accum = ["--grad-accum", devices] if strategy == "pp" else []
-        if strategy == "auto" and args.accelerator == "cuda":  # one GPU takes the whole global batch in steps it fits
+        single = strategy == "auto"  # the baseline: one device
+        devices = 1 if single else args.devices
+        lay = layout(SimpleNamespace(strategy=strategy, devices=devices, num_nodes=1))
+        # The same global batch, so every row trains on the same samples: data-parallel ranks split it, tensor
+        # parallel ranks share it, and a pipeline splits it into one micro-batch per stage.
+        micro = global_batch // (lay.dp_size * lay.pp_size)
+        accum = ["--grad-accum", lay.pp_size] if lay.pipeline else []
+        if single and args.accelerator == "cuda":  # one GPU takes the whole global batch in steps it fits
             micro = single_device_micro_batch(args.model, precision, global_batch, device_memory_bytes())
             accum = ["--grad-accum", global_batch // micro]
         run_name = f"{strategy}-{precision}"
@@ -350,7 +353,8 @@ def bench_text(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from flags import Folder, Parser, choice, number
-    from fabric_gpt import PRECISIONS, PRESETS, STRATEGIES
+    from fabric_gpt import PRECISIONS, PRESETS
+    from layout import STRATEGIES
 
     parser = Parser(description=__doc__, prog="bench.py")
     parser.add_argument("--out-dir", default="runs", type=Folder(), help="folder for the benchmark runs and tables "

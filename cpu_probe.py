@@ -13,6 +13,9 @@ without bf16 instructions). So the step is predicted from three measurements of 
 - **bandwidths**: host memory (a copy, for the optimizer's sweep over its states) and the gloo link between two
   processes (latency and bytes/s), for the bytes the strategy moves.
 
+LeNet-5's CPU speed work lives here too (the last section): the precision its step is fastest in on this CPU
+(measured once per machine and settings) and conv1's channels padded to a whole vector.
+
 Results live in ~/.cache/fabric-lab/cpu-probe.json (FABRIC_LAB_CACHE moves it), keyed by the CPU, its instruction-set
 caps, torch and the measured settings, under a file lock so that processes started together measure once.
 """
@@ -30,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from hardware import cpu_name, cpu_units, isa_caps
-from run_state import write_json_atomic
-from strategies import data_parallel_size
+from checkpoints import write_json_atomic
+from hardware import cpu_name, cpu_units, isa_caps, uses_gpu
+from layout import layout
 
 MINIMAL = {"n_embd_per_head": 8, "seq_len": 8, "vocab_size": 16, "micro_batch_size": 1}
 FIXED_STEPS, FIXED_WARMUP = 10, 4
@@ -251,7 +254,7 @@ def minimal_flags(cfg, heads: int) -> list[str]:
     """fabric_gpt.py's flags for the same strategy, precision, processes, layers, micro-batches, optimizer and
     memory levers as cfg, on the minimal shape."""
     steps = FIXED_STEPS
-    samples = steps * cfg.grad_accum * data_parallel_size(cfg)
+    samples = steps * cfg.grad_accum * layout(cfg).dp_size
     out = ["--model", "tiny", "--n-embd", MINIMAL["n_embd_per_head"] * heads, "--n-head", heads,
            "--n-layer", cfg.n_layer, "--seq-len", MINIMAL["seq_len"], "--vocab-size", MINIMAL["vocab_size"],
            "--micro-batch-size", MINIMAL["micro_batch_size"], "--grad-accum", cfg.grad_accum,
@@ -271,7 +274,7 @@ def minimal_flags(cfg, heads: int) -> list[str]:
 
 def minimal_heads(cfg) -> int:
     """Heads of the minimal model: one, or one per tensor-parallel rank."""
-    return max(cfg.tp_size, cfg.devices * cfg.num_nodes if cfg.strategy == "tp" else 1, 1)
+    return layout(cfg).tp_size
 
 
 def fixed_step(cfg, allow_measure: bool = True) -> float | None:
@@ -296,3 +299,120 @@ def _run_minimal(argv: list[str]) -> float:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"the fixed-cost probe ({' '.join(argv)}) failed: {tail}")
         return json.loads((Path(out) / "probe" / "record.json").read_text())["step_time_s"]
+
+
+# ----------------------------------------------------------------------------- LeNet-5 on a CPU
+class ZeroPaddedConv2d(torch.nn.Conv2d):
+    """A Conv2d computed with zero weights appended: pad_out output channels that are always zero, and pad_in
+    input channels (the zero ones the previous layer appended) that are read with zero weights. The same
+    parameters, results and gradients, in a channel count the CPU kernels handle whole vectors of."""
+
+    def __init__(self, *args, pad_out: int = 0, pad_in: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pad_out, self.pad_in = pad_out, pad_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.pad_out or self.pad_in):
+            return super().forward(x)
+        F = torch.nn.functional
+        weight = F.pad(self.weight, (0, 0, 0, 0, 0, self.pad_in, 0, self.pad_out))  # zero filters / zero inputs
+        return self._conv_forward(x, weight, F.pad(self.bias, (0, self.pad_out)))
+
+
+# --precision auto: on a GPU bf16 autocast (fp16 without bf16) is the fast choice. On a CPU no rule holds: bf16
+# autocast was 1.4x faster than float32 on a Xeon with AMX, 1.3x on an EPYC with AVX-512 BF16 and far slower without
+# either (docs/lenet.md). So the CPU times LeNet-5's own step in both, once per machine and settings.
+PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, inherited by the ranks it starts
+
+
+def lenet_probe_key(cfg) -> dict:
+    """What LeNet-5's step speed depends on: the CPU, the libraries, the threads a rank gets, the local batch
+    and the memory layout. A change of any of them measures again."""
+    return {"cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
+            "threads": rank_threads(cfg.devices), "local_batch": cfg.batch_size // layout(cfg).world,
+            "channels_last": cfg.channels_last, "pad_channels": cfg.pad_channels, "activation": cfg.activation}
+
+
+def lenet_step_speeds(make_model, key: dict, windows: int = 4, steps: int = 2) -> dict:
+    """Samples/s of LeNet-5's training step (forward, loss, backward, fused AdamW) in float32 and under bf16
+    autocast, on random images of the run's shape: the median of 4 alternating windows of 2 steps, after 2
+    warm-up steps that include oneDNN's kernel set-up. About 0.5 s on 2 cores, once per machine and settings."""
+    F = torch.nn.functional
+    threads = torch.get_num_threads()
+    torch.set_num_threads(key["threads"])
+    try:
+        torch.manual_seed(0)
+        n, layout_ = key["local_batch"], torch.channels_last if key["channels_last"] else torch.contiguous_format
+        x, y = torch.randn(n, 1, 28, 28).contiguous(memory_format=layout_), torch.randint(0, 10, (n,))
+        models = {p: make_model().to(memory_format=layout_) for p in ("32-true", "bf16-mixed")}
+        optimizers = {p: torch.optim.AdamW(m.parameters(), fused=True) for p, m in models.items()}
+
+        def step(precision: str) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                loss = F.cross_entropy(models[precision](x), y)
+            loss.backward()
+            optimizers[precision].step()
+            optimizers[precision].zero_grad(set_to_none=True)
+
+        times = {p: [] for p in models}
+        for p in models:
+            for _ in range(2):
+                step(p)
+        for _ in range(windows):
+            for p in models:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(p)
+                times[p].append((time.perf_counter() - t0) / steps)
+        return {p: n / statistics.median(t) for p, t in times.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_precision(key: dict, cache: Path, measure) -> dict:
+    """The faster of float32 and bf16 autocast for `key`: from the cache when it holds this key, else
+    measured (measure() -> {precision: samples/s}) and added to it. A file lock makes ranks started
+    together (torchrun) measure once and read the same answer."""
+    def measure_entry() -> dict:
+        started = time.perf_counter()
+        speeds = measure()
+        return {"choice": max(speeds, key=speeds.get), "samples_per_s": speeds, "key": key,
+                "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+
+    entry, was_cached = stored_or_measured(cache, json.dumps(key, sort_keys=True), measure_entry)
+    return {**entry, "cached": was_cached}
+
+
+def lenet_precision(cfg, make_model) -> tuple[str, dict | None]:
+    """(the precision --precision auto stands for here, the probe's entry on a CPU that decided by measuring)."""
+    if uses_gpu(cfg.accelerator):
+        return ("bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"), None
+    if os.environ.get("LOCAL_RANK", "0") != "0" and os.environ.get(PROBE_ENV):
+        return os.environ[PROBE_ENV], None  # a rank started by Fabric's launcher, which decided before starting it
+    key = lenet_probe_key(cfg)
+    probe = choose_precision(key, Path(cfg.cache_dir).expanduser() / "precision-probe.json",
+                             lambda: lenet_step_speeds(make_model, key))
+    os.environ[PROBE_ENV] = probe["choice"]
+    return probe["choice"], probe
+
+
+def probe_line(probe: dict) -> str:
+    s = probe["samples_per_s"]
+    when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
+    return (f"precision auto: {probe['choice']} (LeNet-5 step at batch {probe['key']['local_batch']}, "
+            f"{probe['key']['threads']} thread(s): bf16 autocast {s['bf16-mixed']:,.0f} samples/s, float32 "
+            f"{s['32-true']:,.0f}; {when}; --precision forces one)")
+
+
+def agree_on_precision(fabric, precision: str, probe: dict | None) -> None:
+    """Ranks on different CPUs, each with its own --precision auto probe, must still compute in one precision."""
+    from flags import ConfigError
+    from ranks import any_rank
+
+    (differ,) = any_rank(fabric, fabric.broadcast(precision) != precision)
+    if differ:
+        raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); "
+                          "pass --precision 32-true or bf16-mixed explicitly")
+    if probe:
+        fabric.print(probe_line(probe))
+

@@ -12,7 +12,6 @@ import hashlib
 import http.client
 import os
 import sys
-import tempfile
 import urllib.parse
 import urllib.request
 import zlib
@@ -21,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from checkpoints import write_atomic
 
 # The mirrors torchvision uses, tried in order. MNIST_MIRROR (or mirror=) replaces them.
 UPSTREAM_MIRRORS = (
@@ -130,20 +131,6 @@ def _read_with_progress(response, filename: str) -> bytes:
     return b"".join(chunks)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write through a temporary file in the same folder and rename, so no partial file is ever visible."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def local_copy(root: Path, name: str) -> tuple[bool, str | None]:
     """(a good copy is in root, what is wrong with the one that is there): the raw file or its .gz beside it."""
     problems = []
@@ -233,6 +220,23 @@ def load_split(root, split: str = "train", download_missing: bool = False, mirro
 def normalize(images_uint8: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 28, 28] -> float32 [..., 1, 28, 28], scaled to [0, 1] then standardized."""
     return ((images_uint8.float() / 255.0 - MEAN) / STD).unsqueeze(-3)
+
+
+# The value of a black pixel after normalization: MNIST's background, every image's minimum. A constant, so
+# that no training step reads the batch's minimum back from the device.
+BACKGROUND = float(normalize(torch.zeros(1, 1, 1, dtype=torch.uint8)))
+
+
+def random_shift(x: torch.Tensor, generator: torch.Generator, fill: float = BACKGROUND, pad: int = 2) -> torch.Tensor:
+    """The augmentation LeNet-5 trains with: each image translated by up to `pad` pixels in each direction, filled
+    with the background. Two views of windows (unfold) and one index per image each: an element-wise gather over all
+    pixels cost about 15x more, a tenth of the training step."""
+    n, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad), value=fill)
+    oy, ox = torch.randint(0, 2 * pad + 1, (2, n), generator=generator, device=generator.device).to(x.device)
+    at = torch.arange(n, device=x.device)
+    rows = padded[:, 0].unfold(1, h, 1)[at, oy]  # (n, w + 2 pad, h): each image's window of rows, column-major
+    return rows.unfold(1, w, 1)[at, ox].unsqueeze(1)  # (n, 1, h, w)
 
 
 class MNIST(Dataset):

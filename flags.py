@@ -257,15 +257,48 @@ def _terminal_width() -> int:
     return shutil.get_terminal_size((120, 24)).columns
 
 
-def opt(default, help: str, choices=None, *, group: str | None = None, check: Check | None = None, **bounds):
+NOT_RECORDED = object()  # `since`'s default: the flag is as old as the checkpoints
+
+
+def opt(default, help: str, choices=None, *, group: str | None = None, check: Check | None = None,
+        runtime: bool = False, since=NOT_RECORDED, **bounds):
     """A config field that becomes one flag: its help, its choices or bounds (`number`'s keywords), or a `check`;
-    `group` starts a help section that the following fields join."""
+    `group` starts a help section that the following fields join. What resume needs to know is declared here too:
+    `runtime` flags change how a run executes, not what it computes (a checkpoint continues under new values);
+    `since` is the value runs behaved as before the flag existed (their checkpoints do not record it)."""
     if choices is not None:
+        if bounds:
+            raise TypeError(f"opt(): choices {choices} and bounds {bounds} exclude each other; give one")
         check = Choice(choices)
     elif check is None and not isinstance(default, bool):
         check = Number(type(default), **bounds) if isinstance(default, (int, float)) else None
+    elif bounds:
+        raise TypeError(f"opt(): bounds {bounds} apply to numbers without a check; give the check its own")
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "check": check,
-                                                         "group": group})
+                                                         "group": group, "runtime": runtime, "since": since})
+
+
+def runtime_fields(config) -> set[str]:
+    """The fields declared runtime=True: a checkpoint continues under other values of these."""
+    return {f.name for f in dataclasses.fields(config) if f.metadata.get("runtime")}
+
+
+def recorded_since(config) -> dict:
+    """{field: the value runs behaved as before it existed}, for the fields declared with `since`."""
+    return {f.name: f.metadata["since"] for f in dataclasses.fields(config)
+            if f.metadata.get("since", NOT_RECORDED) is not NOT_RECORDED}
+
+
+def resume_flag():
+    """--resume, the same in both scripts' configs."""
+    return opt("", "auto: continue the run from its newest good checkpoint, or start it; or a checkpoint folder",
+               check=Resume(), runtime=True)
+
+
+def requeue_flag():
+    """--requeue-signal, the same in both scripts' configs."""
+    return opt("USR1", "in a SLURM job: the signal that saves, requeues the job and exits (none: off)",
+               ("USR1", "USR2", "none"), runtime=True)
 
 
 def flag_name(field_name: str) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from lab import GPU_CHECK, cuda_devices, last_line, run_logged
-from run_state import RECORD, write_json_atomic
+from checkpoints import RECORD, write_json_atomic
 
 
 # ----------------------------------------------------------------------------- GPU sampling
@@ -57,7 +57,8 @@ class NvmlSampler(threading.Thread):
         self.nvml, self.path, self.every_s = pynvml, path, every_s
         by = lambda g: (pynvml.nvmlDeviceGetHandleByIndex(g) if isinstance(g, int)  # noqa: E731
                         else pynvml.nvmlDeviceGetHandleByUUID(g))
-        self.handles = [by(g) for g in visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), pynvml.nvmlDeviceGetCount())]
+        visible = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), pynvml.nvmlDeviceGetCount())
+        self.handles = [by(g) for g in visible]
         self.done, self.t0 = threading.Event(), time.time()
         self.label = ""  # the check running now, written beside each sample
 
@@ -97,8 +98,9 @@ def nvidia_smi() -> str:
 
 # ----------------------------------------------------------------------------- the runs the checks read
 # A learnable token sequence, SGD without clipping: every strategy must give the single GPU's losses.
-TINY_EXACT = ["--model", "tiny", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1", "--optimizer", "sgd",
-              "--grad-clip", "0", "--lr", "0.5", "--accelerator", "cuda", "--precision", "32-true"]
+TINY_EXACT = ["--model", "tiny", "--dataset", "ramp", "--num-samples", "48", "--warmup-steps", "1",
+              "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.5", "--accelerator", "cuda",
+              "--precision", "32-true"]
 TINY_BY_STRATEGY = {  # the single GPU's global batch of 4 on 2 GPUs
     "ddp": ["--micro-batch-size", "1", "--grad-accum", "2"], "fsdp": ["--micro-batch-size", "1", "--grad-accum", "2"],
     "tp": ["--micro-batch-size", "4"], "pp": ["--micro-batch-size", "2", "--grad-accum", "2"],
@@ -108,12 +110,13 @@ TINY_BY_STRATEGY = {  # the single GPU's global batch of 4 on 2 GPUs
 }
 # 16-mixed from a loss scale of 2^40: the first steps overflow and must be skipped while the run goes on
 FP16_OVERFLOW = ["fabric_gpt.py", "--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--precision", "16-mixed",
-                 "--loss-scale-power", "40", "--accelerator", "cuda", "--micro-batch-size", "4", "--num-samples", "1200",
-                 "--log-every", "50"]
+                 "--loss-scale-power", "40", "--accelerator", "cuda", "--micro-batch-size", "4",
+                 "--num-samples", "1200", "--log-every", "50"]
 # ZeRO-Infinity swaps tensors of 1 MiB or more (a wider tiny model) and steps them with DeepSpeed's CPU Adam,
 # so its reference is AdamW on one GPU
 TINY_ADAMW = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--dataset", "ramp",
-              "--num-samples", "48", "--warmup-steps", "1", "--lr", "1e-2", "--accelerator", "cuda", "--micro-batch-size", "4"]
+              "--num-samples", "48", "--warmup-steps", "1", "--lr", "1e-2", "--accelerator", "cuda",
+              "--micro-batch-size", "4"]
 GELU_DTYPES = ["--dtypes", "float32", "bfloat16", "float16"]
 
 
@@ -129,8 +132,9 @@ def tiny(strategy: str = "", devices: int = 1) -> list:
 def gpt_1_6b(memory_gib: float) -> list:
     """The course's model for 8 steps; AdamW on 1.56B needs ~25 GiB of states plus activations, so a GPU under
     48 GiB recomputes them (--grad-checkpointing)."""
-    return ["fabric_gpt.py", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda", "--micro-batch-size",
-            "1", "--steps", "8", "--num-samples", "64", *([] if memory_gib >= 48 else ["--grad-checkpointing"])]
+    return ["fabric_gpt.py", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda",
+            "--micro-batch-size", "1", "--steps", "8", "--num-samples", "64",
+            *([] if memory_gib >= 48 else ["--grad-checkpointing"])]
 
 
 # ----------------------------------------------------------------------------- verdicts: (passed, the figure)
@@ -144,7 +148,8 @@ def losses(out: Path, run: str) -> list:
 
 def lenet_trained(out: Path, run: str):
     r = record(out, run)
-    return r["test_acc"] >= 0.97, f"test acc {100 * r['test_acc']:.2f}% after 1 epoch, {r['samples_per_s']:,.0f} samples/s"
+    return (r["test_acc"] >= 0.97,
+            f"test acc {100 * r['test_acc']:.2f}% after 1 epoch, {r['samples_per_s']:,.0f} samples/s")
 
 
 def lenet_graphed(out: Path, run: str):
@@ -178,13 +183,15 @@ def same_losses(out: Path, run: str, reference: str, tolerance: float):
     """Every step's loss of `run` within `tolerance` (relative) of the reference run's."""
     got, want = losses(out, run), losses(out, reference)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-    return len(got) == len(want) and worst < tolerance, f"largest relative loss difference {worst:.1e} over {len(want)} steps"
+    return (len(got) == len(want) and worst < tolerance,
+            f"largest relative loss difference {worst:.1e} over {len(want)} steps")
 
 
 def overflow_survived(out: Path, run: str, steps: int = 300):
     r = record(out, run)
     ok = r["steps"] == steps and 0 < r["skipped_steps"] < steps and not math.isnan(r["final_loss"])
-    return ok, f"{r['skipped_steps']} of {r['steps']} steps skipped, loss {r['first_loss']:.3f} .. {r['final_loss']:.3f}"
+    return ok, (f"{r['skipped_steps']} of {r['steps']} steps skipped, "
+                f"loss {r['first_loss']:.3f} .. {r['final_loss']:.3f}")
 
 
 def loss_range(out: Path, run: str):
@@ -202,8 +209,9 @@ def big_model_verdict(r: dict) -> tuple[bool, str]:
     step = (f"step {1e3 * r['step_time_s']:.0f} ms vs predicted {1e3 * predicted['step_time_s']:.0f} ms "
             f"({predicted['cluster']}, efficiency {predicted['efficiency']}), " if predicted else "")
     return (not math.isnan(r["final_loss"]) and mem <= 1.25 * r["planned_gb"], step +
-            f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / {r['tflops_per_device_8n']:.1f} "
-            f"(8N), {mfu}, training peak {mem:.1f} GiB vs plan {r['planned_gb']:.1f} GiB"
+            f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / "
+            f"{r['tflops_per_device_8n']:.1f} (8N), {mfu}, training peak {mem:.1f} GiB vs plan "
+            f"{r['planned_gb']:.1f} GiB"
             + (f" (set-up peak {setup:.1f})" if setup is not None else "")
             + (f"; attention {r['attention_kernel']}" if r.get("attention_kernel") else ""))
 
@@ -225,26 +233,30 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
     table = [
         Check("lenet-graphs", "LeNet-5 compiled, CUDA graphs", [("lenet-graphs", lenet(
             "--compile", "--compile-mode", "reduce-overhead", "--sync-check"))], lenet_graphed, ("lenet-graphs",)),
-        Check("gelu", "C++ GELU on CUDA tensors", [("gelu", ["-m", "gelu_ext", "check", "--device", "cuda", *GELU_DTYPES]),
-                                                   ("gelu", ["-m", "gelu_ext", "bench", "--device", "cuda", *GELU_DTYPES])],
+        Check("gelu", "C++ GELU on CUDA tensors", [("gelu", ["-m", "gelu_ext", command, "--device", "cuda",
+                                                             *GELU_DTYPES]) for command in ("check", "bench")],
               gelu_matches, ("gelu",)),
         Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, bf16-mixed", [("gpt-1.6b", gpt_1_6b(memory_gib))],
               lambda out: big_model_verdict(record(out, "gpt-1.6b"))),
         *(Check(f"lenet-{p}", f"LeNet-5 {p}", [(f"lenet-{p}", lenet("--precision", p))], lenet_trained, (f"lenet-{p}",))
           for p in ("32-true", "16-mixed", "bf16-mixed")),
         Check("lenet-dp", "LeNet-5 dp bf16-mixed, 2 GPUs", [("lenet-dp-bf16", lenet(
-            "--precision", "bf16-mixed", "--strategy", "dp", "--devices", "2"))], lenet_bf16_on_dp, ("lenet-dp-bf16",), gpus=2),
+            "--precision", "bf16-mixed", "--strategy", "dp", "--devices", "2"))], lenet_bf16_on_dp, ("lenet-dp-bf16",),
+              gpus=2),
         Check("gpt-tiny", "GPT tiny, 1 GPU (reference)", [single], loss_range, ("gpt-single",)),
         # a one-rank mesh still builds and moves the model as the strategy does: tp and pp once never left the CPU
         *(Check(f"{s}-1", f"GPT tiny, {s} on 1 GPU", [single, (f"gpt-{s}-1", tiny(s, 1))], same_losses,
                 (f"gpt-{s}-1", "gpt-single", 1e-3)) for s in ("tp", "pp")),
         *(Check(s, f"GPT tiny, {s} on 2 GPUs", [single, (f"gpt-{s}", tiny(s, 2))], same_losses,
                 (f"gpt-{s}", "gpt-single", 1e-3), gpus=2) for s in TINY_BY_STRATEGY),
-        Check("fp16", "GPT tiny 16-mixed, overflow, Fabric", [("gpt-fp16", FP16_OVERFLOW)], overflow_survived, ("gpt-fp16",)),
+        Check("fp16", "GPT tiny 16-mixed, overflow, Fabric", [("gpt-fp16", FP16_OVERFLOW)], overflow_survived,
+              ("gpt-fp16",)),
         Check("fp16-zero2", "GPT tiny 16-mixed, overflow, ZeRO-2",
-              [("gpt-fp16-ds", [*FP16_OVERFLOW, "--strategy", "deepspeed_stage_2"])], overflow_survived, ("gpt-fp16-ds",)),
+              [("gpt-fp16-ds", [*FP16_OVERFLOW, "--strategy", "deepspeed_stage_2"])], overflow_survived,
+              ("gpt-fp16-ds",)),
         Check("nvme", "GPT tiny, ZeRO-3 NVMe offload, 1 GPU",
-              [nvme, ("gpt-nvme", [*TINY_ADAMW, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "{out}/nvme"])],
+              [nvme, ("gpt-nvme", [*TINY_ADAMW, "--strategy", "deepspeed_stage_3_offload",
+                                   "--nvme-path", "{out}/nvme"])],
               same_losses, ("gpt-nvme", "gpt-adamw", 2e-3)),
     ]
     return table
@@ -282,7 +294,8 @@ def write_table(out: Path, rows: list, gpus: int) -> list[str]:
     summary = {"date": f"{datetime.now():%Y-%m-%d}", "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
                "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows}
     write_json_atomic(out / "gpu-check.json", summary)
-    lines = [f"GPU check on {gpus} x {summary['gpu']} ({summary['date']}, torch {summary['torch']}, CUDA {summary['cuda']}):",
+    lines = [f"GPU check on {gpus} x {summary['gpu']} ({summary['date']}, torch {summary['torch']}, "
+             f"CUDA {summary['cuda']}):",
              "", "| check | verdict | figure | s |", "|---|---|---|---|"]
     lines += [f"| {r['check']} | {r['verdict']} | {r['figure']} | {r['seconds']:.0f} |" for r in rows]
     (out / "table.md").write_text("\n".join(lines) + "\n")
@@ -332,7 +345,7 @@ def build_parser():
     parser = Parser(description=__doc__, prog="gpu_check.py")
     parser.add_argument("--runs", default="runs", type=Folder(), help="folder for runs/gpu-check (default: runs)")
     parser.add_argument("--checks", default="", type=Names(CHECK_KEYS), help="comma-separated checks to run "
-                        f"(default: all): {', '.join(CHECK_KEYS)}")
+                        "(default: all; an unknown name lists them)")
     return parser
 
 

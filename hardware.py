@@ -1,6 +1,7 @@
 """The machine a run is on: refusing device settings it cannot honour (with the fix), a torch that cannot use the
 GPUs nvidia-smi sees, and the CPU's name and units that the records and benchmarks print beside every figure."""
 
+import contextlib
 import os
 import platform
 import shutil
@@ -111,3 +112,67 @@ def sdpa_kernel(device: torch.device, dtype: torch.dtype, heads: int, seq_len: i
         torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
     found = [SDPA_KERNELS[op] for op in seen.ops if op in SDPA_KERNELS]
     return found[0] if found else "math (unfused: the scores are materialised)"
+
+
+@contextlib.contextmanager
+def host_sync_forbidden(active: bool):
+    """With --sync-check, any operation in the block that makes the host wait for the GPU raises (CUDA's own
+    detection): a step must queue its work and go on, reading values only at check points."""
+    if not active:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def cuda_graphs(compiled: bool, mode: str, device: torch.device) -> str | None:
+    """What became of torch.compile's reduce-overhead CUDA graphs (forward and backward captured once, then
+    replayed): torch.compile falls back to launching kernels one by one, quietly, when it cannot capture."""
+    if not (compiled and mode == "reduce-overhead"):
+        return None
+    if device.type != "cuda":
+        return f"not captured: CUDA graphs record CUDA kernels and this run is on {device.type}; compiled without them"
+    from torch._dynamo.utils import counters
+
+    skipped = counters["inductor"]["cudagraph_skips"]
+    return "captured and replayed" if not skipped else (
+        f"refused for {skipped} graph{'s' * (skipped != 1)} (TORCH_LOGS=cudagraphs prints the reason); those run "
+        "compiled, without graphs")
+
+
+# ----------------------------------------------------------------------------- glibc's heap
+def _glibc():
+    """The C library when it is glibc (whose allocator these settings belong to), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # musl or another libc: its allocator has no such settings
+        return None
+
+
+def keep_freed_memory_in_heap() -> None:
+    """For LeNet-5's CPU steps: glibc hands each freed block over its (adaptive) threshold back to the OS, so each
+    step page-faults its ~30 MB of activations in again; on the 2-core Xeon VM that made steps 1.3-1.6x slower and
+    erratic. The largest threshold glibc allows and no trimming keep them in the heap for the next step."""
+    libc = _glibc()
+    if libc is not None:
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)
+        libc.mallopt(m_trim_threshold, 2**31 - 1)
+
+
+def return_freed_host_memory() -> None:
+    """For a GPT run after set-up: hand what set-up freed back to the system (glibc keeps freed heap otherwise).
+    ZeRO-Infinity creates each partition's fp32 weights in host memory before swapping them to NVMe, and without this
+    the process kept those gigabytes through training."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+

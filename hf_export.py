@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-import accounting
+import gpt_model
 
 SHARD = "2GB"  # save_pretrained's shards: serializing one holds its bytes once more, so small ones keep the peak low
 
@@ -29,7 +29,7 @@ def write_hf_folder(state_dict: dict, cfg, folder) -> Path:
     from transformers import GenerationConfig, GPT2LMHeadModel
 
     folder = Path(folder)
-    config = accounting.gpt2_config(cfg, attention="sdpa")  # what any transformers loads (float32 attention is ours)
+    config = gpt_model.gpt2_config(cfg, attention="sdpa")  # what any transformers loads (float32 attention is ours)
     config.use_cache = True  # training turns the KV cache off; generation wants it
     with torch.device("meta"):  # no weights of its own: it takes the dict's tensors (assign), never a copy
         model = GPT2LMHeadModel(config)
@@ -56,7 +56,7 @@ def export_run(run_dir) -> Path:
     import json
 
     import strategies
-    from run_state import Checkpoints
+    from checkpoints import Checkpoints
 
     run_dir = Path(run_dir)
     checkpoints = Checkpoints(run_dir / "checkpoints").complete()

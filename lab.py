@@ -19,10 +19,9 @@ from datetime import datetime
 from pathlib import Path
 
 from hardware import cuda_mismatch
-from run_state import RECORD, Checkpoints, write_json_atomic
+from checkpoints import RECORD, Checkpoints, write_json_atomic
 
 REPO = Path(__file__).resolve().parent
-ACTIVATIONS = ("relu", "gelu_torch", "gelu_py", "gelu_cpp")  # relu is LeNet-5's default
 LOGS = Path("lab/logs")  # under --runs
 GPU_CHECK = "gpu-check"
 
@@ -51,6 +50,8 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
     accelerator = "cuda" if gpus else "cpu"
     cores = os.cpu_count() or 1
     stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte"))]
+    from fabric_lenet import ACTIVATIONS  # relu, LeNet-5's default, first
+
     for act in ACTIVATIONS:
         name = f"lab-lenet-{act}"
         stages.append(Stage(f"lenet-{act}", ["fabric_lenet.py", "--activation", act, "--run-name", name, "--out-dir", runs,

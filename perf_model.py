@@ -11,9 +11,15 @@ bandwidth times the ring algorithm's factor (all-reduce 2(n-1)/n, all-gather and
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 import accounting
+import gpt_model
+from checkpoints import write_atomic
 from flags import ConfigError
-from strategies import data_parallel_size, fsdp_gathers_bf16, is_deepspeed, pp_size, tp_size, zero_stage
+from hardware import cpu_name
+from layout import layout, search_layouts
+from strategies import fsdp_gathers_bf16
 
 GB = 1e9
 
@@ -126,27 +132,28 @@ def cpu_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool) -> dict 
     layers), plus the optimizer's sweep over this rank's states at memory bandwidth, plus the bytes on the link."""
     import cpu_probe
 
-    n, ds, heads = cpu_probe.rank_threads(cfg.devices), is_deepspeed(cfg.strategy), cpu_probe.minimal_heads(cfg)
+    lay = layout(cfg)
+    n, ds, heads = cpu_probe.rank_threads(cfg.devices), lay.deepspeed, cpu_probe.minimal_heads(cfg)
     minimal = replace(cfg, n_embd=cpu_probe.MINIMAL["n_embd_per_head"] * heads, n_head=heads,
                       seq_len=cpu_probe.MINIMAL["seq_len"], vocab_size=cpu_probe.MINIMAL["vocab_size"])
     fixed = cpu_probe.fixed_step(cfg, allow_measure)
-    big = fixed and cpu_probe.block_and_head(accounting.gpt2_config(cfg), cfg.micro_batch_size, cfg.precision, ds, n,
+    big = fixed and cpu_probe.block_and_head(gpt_model.gpt2_config(cfg), cfg.micro_batch_size, cfg.precision, ds, n,
                                              allow_measure)
-    small = big and cpu_probe.block_and_head(accounting.gpt2_config(minimal), cpu_probe.MINIMAL["micro_batch_size"],
+    small = big and cpu_probe.block_and_head(gpt_model.gpt2_config(minimal), cpu_probe.MINIMAL["micro_batch_size"],
                                              cfg.precision, ds, n, allow_measure)
     bandwidth = small and cpu_probe.memory_bandwidth(n, allow_measure)
     if not bandwidth:
         return None
     block = max(big["block_s"] - small["block_s"], 0.0) * (4 / 3 if cfg.grad_checkpointing else 1)  # + a forward
     head = max(big["head_s"] - small["head_s"], 0.0)
-    L, t, p, m = cfg.n_layer, tp_size(cfg), pp_size(cfg), cfg.grad_accum
-    if cfg.strategy == "pp":  # every stage at its own cores: the busiest stage takes each of the m micro-batches,
+    L, t, p, m = cfg.n_layer, lay.tp_size, lay.pp_size, cfg.grad_accum
+    if lay.pipeline:  # every stage at its own cores: the busiest stage takes each of the m micro-batches,
         # the others each one on the way in or out (fill and drain); (m + p - 1) slots when the stages are equal
         stages = [(L // p + (i < L % p)) * block + (head if i == p - 1 else 0) for i in range(p)]
         work = m * max(stages) + sum(stages) - max(stages)
     else:
         work = m * (L * block / t + head)
-    states = n_params if cfg.strategy in ("auto", "ddp") else n_params / (cfg.devices * cfg.num_nodes)
+    states = n_params if lay.replicated else n_params / lay.world
     optimizer = states * (28 if cfg.optimizer == "adamw" else 12) / bandwidth  # read p g m v, write p m v
     comm = sum(algorithm(r)[0] * r["bytes"] * r["count"] for r in comm_table(cfg)) / cluster.intra_bw  # the calls'
     # latency is in the fixed cost
@@ -203,12 +210,12 @@ def buckets(sizes: list[int], cap: float, first_cap: float | None = None) -> lis
     return out + ([current] if current else [])
 
 
-def words(cfg) -> dict:
+def element_bytes(cfg) -> dict:
     """Bytes per element: gradients and parameters as the strategy keeps them, activations between blocks."""
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     weights = accounting.weight_bytes(cfg)
     matmul_out = 2 if half else 4  # autocast's matmuls return 16-bit tensors
-    residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not is_deepspeed(cfg.strategy) else matmul_out
+    residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not layout(cfg).deepspeed else matmul_out
     return {"grad": weights, "param": weights, "matmul_out": matmul_out, "residual": residual}
 
 
@@ -216,27 +223,27 @@ def comm_table(cfg) -> list[dict]:
     """Every collective and transfer global rank 0 issues in one optimizer step, as comm_counter counts them:
     {kind, group_size, bytes (the tensor this rank hands to one call), count}, plus the link it crosses and
     what it can overlap with. Groups of one rank move nothing and are left out."""
-    w, m = words(cfg), cfg.grad_accum
+    w, m, lay = element_bytes(cfg), cfg.grad_accum, layout(cfg)
     params = param_tensors(cfg)
     sizes = [numel(s) for _, s in params]
-    dp, t, p = data_parallel_size(cfg), tp_size(cfg), pp_size(cfg)
+    dp, t, p = lay.dp_size, lay.tp_size, lay.pp_size
     dp_link, tp_link = link_of(cfg, "dp"), link_of(cfg, "tp")
     rows = []
-    if cfg.strategy == "ddp":
+    if lay.replicated:
         rows += [row("all_reduce", dp, b * w["grad"], 1, dp_link, "backward")
                  for b in buckets(sizes, 25 * 2**20 / w["grad"], 2**20 / w["grad"])]
-    elif is_deepspeed(cfg.strategy):
+    elif lay.deepspeed:
         rows += deepspeed_rows(cfg, params, dp, dp_link)
-    elif cfg.strategy in ("fsdp", "fsdp_tp"):
+    elif lay.fsdp:
         rows += fsdp_rows(cfg, params, dp, t, dp_link)
-    if cfg.strategy in ("tp", "fsdp_tp"):
+    if lay.tensor_parallel:
         activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["matmul_out"]
         # per block: attention's and the MLP's row-parallel outputs in forward, the column-parallel inputs'
         # gradients in backward (no sequence parallelism)
         rows.append(row("all_reduce", t, activation, 4 * cfg.n_layer * m, tp_link, "none"))
         # the gradient norm: the float64 squares of the tensor-parallel shards, summed in one all-reduce
         rows.append(row("all_reduce", t, 8, 1, tp_link, "none"))
-    if cfg.strategy == "pp":
+    if lay.pipeline:
         rows += pipeline_rows(cfg, params, p, dp, w)
     return merge(rows)
 
@@ -244,10 +251,10 @@ def comm_table(cfg) -> list[dict]:
 def link_of(cfg, group: str) -> str:
     """Which link a group crosses: tensor-parallel and pipeline groups are the innermost mesh dimension (inside a
     node when they fit); a data-parallel group spans nodes as soon as there is more than one."""
-    inner = tp_size(cfg) * pp_size(cfg)
+    lay = layout(cfg)
     if group in ("tp", "pp"):
-        return "intra" if inner <= cfg.devices else "inter"
-    return "inter" if cfg.num_nodes > 1 and data_parallel_size(cfg) > 1 else "intra"
+        return "intra" if lay.tp_size * lay.pp_size <= cfg.devices else "inter"
+    return "inter" if cfg.num_nodes > 1 and lay.dp_size > 1 else "intra"
 
 
 def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
@@ -260,7 +267,7 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
     once while they fit stage3_max_live_parameters, 1e9 elements; beyond it, again in backward: unverified)."""
     from strategies import deepspeed_config
 
-    w, m, stage = words(cfg), cfg.grad_accum, zero_stage(cfg.strategy)
+    w, m, stage = element_bytes(cfg), cfg.grad_accum, layout(cfg).zero_stage
     sizes = [numel(s) for _, s in params]
     rows = []
     zero = deepspeed_config(cfg)["zero_optimization"]
@@ -288,7 +295,7 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
             rows.append(row("all_gather", dp, gathered * w["param"], times * m, link, "forward"))
         # the gradient norm, once with or without clipping (the model is built under zero.Init): a float64 square on
         # the device, float32 when offloaded
-        rows.append(row("all_reduce", dp, 4 if cfg.strategy.endswith("_offload") else 8, 1, link, "none"))
+        rows.append(row("all_reduce", dp, 4 if layout(cfg).offload else 8, 1, link, "none"))
     if cfg.precision == "16-mixed" or (cfg.precision in ("bf16-mixed", "bf16-true") and stage in (1, 2)):
         rows.append(row("all_reduce", dp, 1, 1, link, "none"))  # the overflow check of the 16-bit optimizer
     return rows
@@ -309,7 +316,7 @@ def fsdp_rows(cfg, params, dp, t, link) -> list[dict]:
     bf16, the root in float32, and gradients reduced in float32. The gradient norm sums the float64 squares
     of the shards in one all-reduce: one number, two under fsdp_tp (the matrices split by tensor parallel too, and
     the parameters it replicates)."""
-    w, m = words(cfg), cfg.grad_accum
+    w, m = element_bytes(cfg), cfg.grad_accum
 
     def shard(shape):  # elements: dim 0 padded to a multiple of dp; tensor parallel has split the matrices first
         return -(-shape[0] // dp) * numel(shape[1:])
@@ -352,7 +359,7 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
     activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"]
     rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
             row("all_reduce", 2 if p > 1 else 1, cfg.vocab_size * cfg.n_embd * w["grad"], 1, link, "none"),
-            row("all_reduce", cfg.devices * cfg.num_nodes, 8, 1, link_of(cfg, "dp"), "none")]
+            row("all_reduce", layout(cfg).world, 8, 1, link_of(cfg, "dp"), "none")]
     if dp > 1:
         from strategies import stage_blocks
 
@@ -392,32 +399,34 @@ def flops_per_device(cfg, n_params: int) -> dict:
     total = accounting.flops_per_token(cfg, n_params)["standard"]
     blocks = total - head
     recompute = (blocks / 3) if cfg.grad_checkpointing else 0  # one more forward of every block
-    dp, t, p = data_parallel_size(cfg), tp_size(cfg), pp_size(cfg)
+    lay = layout(cfg)
+    dp, t, p, world = lay.dp_size, lay.tp_size, lay.pp_size, lay.world
     tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
-    if cfg.strategy == "pp":
+    if lay.pipeline:
         per_block = (blocks + recompute) / L
         first = -(-L // p) * per_block  # the first stages take the extra block
         last = (L // p) * per_block + head
         busiest = max(first, last) if p > 1 else L * per_block + head
-        return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest * tokens,
+        return {"model": total * tokens * dp / world, "busiest": busiest * tokens,
                 "per_micro_batch": busiest * tokens / cfg.grad_accum,
                 "all_ranks": (L * per_block + head) * tokens * dp}
     # tensor parallel splits the blocks' matmuls; the LM head is replicated on every tensor-parallel rank
     busiest = ((blocks + recompute) / t + head) * tokens
-    return {"model": total * tokens * dp / (cfg.devices * cfg.num_nodes), "busiest": busiest,
-            "per_micro_batch": busiest / cfg.grad_accum, "all_ranks": busiest * cfg.devices * cfg.num_nodes}
+    return {"model": total * tokens * dp / world, "busiest": busiest,
+            "per_micro_batch": busiest / cfg.grad_accum, "all_ranks": busiest * world}
 
 
 def offload_time(cfg, cluster: Cluster, n_params: int) -> tuple[float, dict]:
     """ZeRO-Offload per step and device: the gradient partition to the host and the updated 16/32-bit partition
     back over PCIe, the host's Adam, ZeRO-3's parameters fetched for every micro-batch's forward and backward,
     and NVMe: fp32 master weights and both moments read and written once."""
-    if not cfg.strategy.endswith("_offload"):
+    lay = layout(cfg)
+    if not lay.offload:
         return 0.0, {}
-    w, dp = words(cfg), data_parallel_size(cfg)
+    w, dp = element_bytes(cfg), lay.dp_size
     part = n_params / dp
     pcie = part * (w["grad"] + w["param"])
-    if zero_stage(cfg.strategy) == 3:
+    if lay.zero_stage == 3:
         pcie += 2 * cfg.grad_accum * part * w["param"]
     nvme = 2 * 12 * part * cfg.devices if cfg.nvme_path else 0  # the node's devices share its drives
     parts = {"pcie_bytes": pcie, "pcie_s": pcie / cluster.pcie_bw, "host_adam_s": part / cluster.host_adam_params_per_s,
@@ -431,12 +440,13 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     peak = cluster.peak_flops.get(dtype) or next(iter(cluster.peak_flops.values()))
     rate = peak * cluster.efficiency
     flops = flops_per_device(cfg, n_params)
-    m, p = cfg.grad_accum, pp_size(cfg)
+    lay = layout(cfg)
+    m, p = cfg.grad_accum, lay.pp_size
     if cluster.shared_cores:  # the machine's cores do every rank's work, a waiting stage's cores included
         compute, bubble = flops["all_ranks"] / rate, 0.0
     else:
         compute = flops["busiest"] / rate
-        bubble = (p - 1) * flops["per_micro_batch"] / rate if cfg.strategy == "pp" else 0.0
+        bubble = (p - 1) * flops["per_micro_batch"] / rate if lay.pipeline else 0.0
     comm = comm_table(cfg)
     by_overlap = {"none": 0.0, "backward": 0.0, "forward": 0.0}
     for r in comm:
@@ -454,10 +464,9 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     measured = cpu_step(cfg, cluster, n_params, cluster.probe == "measure") if cluster.probe else None
     if measured:
         step = measured["step_time_s"]
-    dp = data_parallel_size(cfg)
-    tokens_per_step = cfg.micro_batch_size * m * dp * cfg.seq_len
+    tokens_per_step = cfg.micro_batch_size * m * lay.dp_size * cfg.seq_len
     tokens_s = tokens_per_step / step
-    world = cfg.devices * cfg.num_nodes
+    world = lay.world
     model_flops = accounting.flops_per_token(cfg, n_params)["standard"]
     out = {"cluster": cluster.name, "device": cluster.device, "peak_flops": peak, "efficiency": cluster.efficiency,
            "step_time_s": step, "compute_s": compute, "comm_s": comm_s, "comm_exposed_s": exposed, "bubble_s": bubble,
@@ -480,8 +489,8 @@ def check_plannable(cfg, cluster: Cluster) -> None:
     if cfg.devices > cluster.devices_per_node:
         raise PlanError(f"--devices {cfg.devices}: a {cluster.name} node has {cluster.devices_per_node} devices; "
                         f"use --devices {cluster.devices_per_node} --num-nodes {-(-cfg.devices // cluster.devices_per_node)}")
-    if tp_size(cfg) > cfg.devices:
-        raise PlanError(f"tensor parallel over {tp_size(cfg)} devices is larger than a node's {cfg.devices}: its "
+    if layout(cfg).tp_size > cfg.devices:
+        raise PlanError(f"tensor parallel over {layout(cfg).tp_size} devices is larger than a node's {cfg.devices}: its "
                         "all-reduces in every block need the node's NVLink; use --strategy fsdp_tp --tp-size "
                         f"{cfg.devices} (or fewer) so that data parallel spans the nodes")
     if cfg.nvme_path and cluster.nvme_bw <= 0:
@@ -505,59 +514,40 @@ def full_plan(cfg, cluster: Cluster, n_params: int, attn: str, tokens: float = 0
 
 def write_json(path: str, result: dict) -> None:
     import json
-    import os
-    from pathlib import Path
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=float))
-    os.replace(tmp, path)  # atomically: a reader never sees half a plan
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    write_atomic(path, json.dumps(result, indent=1, default=float).encode())  # a reader never sees half a plan
 
 
 def candidates(cfg, cluster: Cluster, global_batch: int):
     """Every strategy x tp x pp x micro-batch x checkpointing x offload this cluster and batch allow."""
-    world = cfg.devices * cfg.num_nodes
-    layouts = [("auto", 0, 0)] if world == 1 else []
-    if world > 1:
-        layouts += [(s, 0, 0) for s in ("ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3",
-                                         "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")]
-        if world <= cfg.devices and cfg.n_head % world == 0:
-            layouts.append(("tp", 0, 0))
-        layouts += [("fsdp_tp", t, 0) for t in divisors(cfg.devices) if 1 < t < world and cfg.n_head % t == 0]
-        layouts += [("pp", 0, p) for p in divisors(world) if 1 < p <= cfg.n_layer]
-    for strategy, t, p in layouts:
-        dp = world // ((t or (world if strategy == "tp" else 1)) * (p or 1))
+    for lay in search_layouts(cfg.devices, cfg.num_nodes, cfg.n_head, cfg.n_layer):
+        t, p = lay.tp_size if lay.tensor_parallel and lay.fsdp else 0, lay.pp_size if lay.pipeline else 0
         for micro in (1, 2, 4, 8, 16, 32, 64):
-            if global_batch % (micro * dp):
+            if global_batch % (micro * lay.dp_size):
                 continue
-            accum = global_batch // (micro * dp)
-            if strategy == "pp" and accum < p:
+            accum = global_batch // (micro * lay.dp_size)
+            if lay.pipeline and accum < lay.pp_size:
                 continue
             for ckpt in (False, True):
-                nvme = ("", "/nvme") if strategy == "deepspeed_stage_3_offload" and cluster.nvme_bw > 0 else ("",)
-                for path in nvme:
-                    yield replace(cfg, strategy=strategy, tp_size=t, pp_size=p, micro_batch_size=micro, grad_accum=accum,
-                                  grad_checkpointing=ckpt, nvme_path=path, search=False)
+                for path in ("", "/nvme") if lay.offload and lay.zero_stage == 3 and cluster.nvme_bw > 0 else ("",):
+                    yield replace(cfg, strategy=lay.strategy, tp_size=t, pp_size=p, micro_batch_size=micro,
+                                  grad_accum=accum, grad_checkpointing=ckpt, nvme_path=path, search=False)
 
 
 def search(cfg, cluster: Cluster) -> list[dict]:
     """Every candidate's plan; those that fit, fastest first. Nothing fits: a PlanError with the smallest."""
-    world = cfg.devices * cfg.num_nodes
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
-    n_params, attn = accounting.count_parameters(cfg)
+    world = layout(cfg).world
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * layout(cfg).dp_size
+    n_params, attn = gpt_model.count_parameters(cfg)
     if cluster.probe:  # measuring every candidate's fixed cost would run each: what is cached, else the lower bound
         cluster = replace(cluster, probe="cached")
     rows, smallest = [], None
     for c in candidates(cfg, cluster, global_batch):
-        if c.precision == "16-mixed" and c.strategy in ("fsdp", "tp", "fsdp_tp", "pp"):
+        lay = layout(c)
+        if c.precision == "16-mixed" and lay.model_parallel:
             continue  # refused by fabric_gpt.py
         plan = full_plan(c, cluster, n_params, attn, cfg.tokens)
-        entry = {"n_params": n_params, "strategy": c.strategy, "tp": tp_size(c), "pp": pp_size(c), "dp": data_parallel_size(c),
+        entry = {"n_params": n_params, "strategy": c.strategy, "tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size,
                  "micro_batch": c.micro_batch_size, "grad_accum": c.grad_accum, "checkpointing": c.grad_checkpointing,
                  "nvme": bool(c.nvme_path), "memory_per_device_bytes": plan["total"], "fits": plan["fits"],
                  **{k: plan[k] for k in ("step_time_s", "compute_s", "comm_s", "comm_exposed_s", "bubble_s", "offload_s",
@@ -580,8 +570,12 @@ def search(cfg, cluster: Cluster) -> list[dict]:
 
 
 def model_label(cfg, n_params: int) -> str:
-    """The model as planned: its preset name and the shape it has (any dimension may have been overridden)."""
-    return (f"{cfg.model} shape (hidden {cfg.n_embd}, {cfg.n_layer} layers, {cfg.n_head} heads, sequence {cfg.seq_len}, "
+    """The model as planned: its preset's name when it has the preset's shape, else named by its size; either way
+    with the shape (any dimension may have been overridden)."""
+    shape = (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.seq_len, cfg.vocab_size)
+    name = f"the {cfg.model} preset" if gpt_model.PRESETS[cfg.model] == shape else \
+        f"a {n_params / 1e9:.3g}B-parameter GPT-2"
+    return (f"{name} (hidden {cfg.n_embd}, {cfg.n_layer} layers, {cfg.n_head} heads, sequence {cfg.seq_len}, "
             f"vocabulary {cfg.vocab_size}: {n_params / 1e9:.3g}B parameters)")
 
 
@@ -603,7 +597,7 @@ def print_search(cfg, cluster: Cluster, rows: list[dict], top: int = 12) -> None
 
 def single_device_baseline(cfg, cluster: Cluster) -> dict | None:
     """The fastest plan that trains the same global batch on one device, or None when nothing fits one."""
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * data_parallel_size(cfg)
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * layout(cfg).dp_size
     one = replace(cfg, devices=1, num_nodes=1, strategy="auto", tp_size=0, pp_size=0, micro_batch_size=global_batch,
                   grad_accum=1, nvme_path="")
     try:
@@ -626,3 +620,98 @@ def print_per_strategy(rows: list[dict], single: dict | None) -> None:
         print(f"    {name:<31}{r['memory_per_device_bytes'] / 2**30:6.1f} GiB {1e3 * r['step_time_s']:9.1f} ms "
               f"{r['tokens_per_s']:>10,.0f} tokens/s  {speedup}  (tp {r['tp']}, pp {r['pp']}, micro {r['micro_batch']} x "
               f"{r['grad_accum']}{', ckpt' if r['checkpointing'] else ''})")
+
+
+# ----------------------------------------------------------------------------- --plan and --search, printed
+def plan_cluster(cfg) -> Cluster:
+    """--cluster, else this CPU under --accelerator cpu, else the visible GPU's node type, else the course's node;
+    --device-memory-gb overrides memory."""
+    name = cfg.cluster or ("cpu" if cfg.accelerator == "cpu" else "")
+    if not name and torch.cuda.is_available():
+        name = cluster_of_gpu(torch.cuda.get_device_name(0)) or DEFAULT_GPU_CLUSTER
+    cluster = cluster_named(name or DEFAULT_GPU_CLUSTER, cfg.precision)
+    if cfg.device_memory_gb:
+        cluster = replace(cluster, memory_bytes=cfg.device_memory_gb * 2**30)
+    return cluster
+
+
+def print_plan(cfg, plan: dict) -> None:
+    gib = lambda b: f"{b / 2**30:9.2f} GiB" if b >= 2**30 or b == 0 else f"{b / 2**20:9.2f} MiB"  # noqa: E731
+    lay = layout(cfg)
+    print(f"memory plan: {cfg.model} ({plan['n_params'] / 1e6:,.1f}M parameters), {cfg.strategy}, {cfg.precision}, "
+          f"{lay.world} device(s) (dp {lay.dp_size}, tp {lay.tp_size}, pp {lay.pp_size}), micro-batch "
+          f"{cfg.micro_batch_size} x {cfg.seq_len} tokens")
+    for key in ("params", "grads", "optimizer", "master", "ddp_buckets", "gathered_layer"):
+        if plan[key] or key in ("params", "grads", "optimizer"):
+            print(f"  {key:<26}{gib(plan[key])}")
+    print(f"  {'activations (no ckpt)':<26}{gib(plan['activations_full'])}")
+    print(f"  {'activations (checkpointed)':<26}{gib(plan['activations_checkpointed'])}")
+    print(f"  {'total per device':<26}{gib(plan['total'])}   (activations {'with' if cfg.grad_checkpointing else 'without'} checkpointing)")
+    if plan["deepspeed_estimate"] is not None:
+        ours = plan["params"] + plan["grads"] + plan["optimizer"] + plan["gathered_layer"]
+        print(f"  model states: ours {gib(ours)}, DeepSpeed's estimator {gib(plan['deepspeed_estimate'])}")
+    if plan["time"]["cluster"] != "cpu":  # on a CPU the devices are processes: the host line below decides
+        print(f"  {'fits' if plan['fits'] else 'does NOT fit'} in {plan['memory_available_bytes'] / 2**30:.0f} GiB per device "
+              f"of {plan['time']['device']} (keeping 10% for buffers and fragmentation)")
+
+
+def print_time_plan(cfg, t: dict) -> None:
+    ms = lambda s: f"{1e3 * s:10.2f} ms"  # noqa: E731
+    if t["cpu_step"]:  # this CPU, from its measurements (cpu_probe.py)
+        import cpu_probe
+
+        c = t["cpu_step"]
+        print(f"time plan on this CPU ({cpu_name()}), {cfg.devices} process(es) of {c['threads_per_rank']} "
+              f"thread(s), from its measurements (cpu_probe.py, cached in {cpu_probe.cache_file()}):")
+        for key, label in (("fixed_s", "fixed (minimal model)"), ("work_s", "work of this shape"),
+                           ("optimizer_s", "optimizer sweep"), ("link_s", "bytes on the gloo link"), ("nvme_s", "NVMe")):
+            print(f"  {label:<26}{ms(c[key])}")
+        print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}% of "
+              f"{t['peak_flops'] / 1e9:.0f} GFLOP/s (the matmul probe)")
+        return
+    print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): peak "
+          f"{t['peak_flops'] / 1e12:.1f} TFLOPS x efficiency {t['efficiency']:.2f} (an input, --cluster's)")
+    print(f"  {'compute':<26}{ms(t['compute_s'])}")
+    print(f"  {'communication':<26}{ms(t['comm_s'])}   ({ms(t['comm_exposed_s']).strip()} not hidden behind compute)")
+    if t["bubble_s"]:
+        print(f"  {'pipeline bubble':<26}{ms(t['bubble_s'])}   ((p-1)/(m+p-1) of the pipeline's time, m = {cfg.grad_accum})")
+    if t["offload_s"]:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in t["offload"].items())
+        print(f"  {'offload':<26}{ms(t['offload_s'])}   ({parts})")
+    print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%")
+    if "train_days" in t:
+        print(f"  {t['tokens']:.3g} tokens: {t['train_days']:,.1f} days, {t['device_hours']:,.0f} device-hours")
+    if t["comm"]:
+        print(f"  transfers of one optimizer step (rank 0): {'kind':<15}{'group':>6}{'bytes':>14}{'count':>7}  link   overlaps")
+        for r in t["comm"]:
+            print(f"  {'':<42}{r['kind']:<15}{r['group_size']:>6}{r['bytes']:>14,}{r['count']:>7}  {r['link']:<6} {r['overlap']}")
+
+
+def plan(cfg) -> dict:
+    """--plan and --search: memory and time without training, printed and, with --plan-json, written."""
+    cluster = plan_cluster(cfg)
+    check_plannable(cfg, cluster)
+    if cfg.search:
+        rows = search(cfg, cluster)
+        print_search(cfg, cluster, rows)
+        result = {"search": rows}
+    else:
+        n_params, attn = gpt_model.count_parameters(cfg)
+        result = full_plan(cfg, cluster, n_params, attn, cfg.tokens)
+        host = accounting.host_plan(cfg, cluster.name != "cpu" and cfg.accelerator != "cpu", (n_params, attn))
+        available = accounting.host_available(cfg)
+        result.update(host_memory_per_process_bytes=host["per_process"], host_memory_machine_bytes=host["machine"],
+                      host_memory_available_bytes=available, host_fits=accounting.host_fits(host["machine"], available))
+        if cluster.name == "cpu":  # the devices are this machine's processes: their memory is the host's
+            result["fits"] = result["host_fits"]
+        print_plan(cfg, result)
+        # on a cluster of GPUs the host is each node's, whose memory no preset holds: this machine's is no measure
+        verdict = (f"on this machine: {'fits' if result['host_fits'] else 'does NOT fit'} in {available / 2**30:.1f} GiB "
+                   "available") if cluster.name == "cpu" else "per node of the cluster (compare with its host memory)"
+        print(f"  host memory: {host['per_process'] / 2**30:.2f} GiB per process (libraries {host['baseline'] / 2**30:.2f}, "
+              f"build {host['construction'] / 2**30:.2f}, training {host['training'] / 2**30:.2f}, checkpoint "
+              f"{host['checkpoint'] / 2**30:.2f}), {host['machine'] / 2**30:.2f} GiB for {cfg.devices} process(es) {verdict}")
+        print_time_plan(cfg, result["time"])
+    if cfg.plan_json:
+        write_json(cfg.plan_json, result)
+    return result

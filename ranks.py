@@ -269,3 +269,13 @@ def watch_peers(fabric, after, num_nodes: int, timeout: float, tag: str) -> None
     torchrun or SLURM started."""
     if fabric.world_size > 1 and (num_nodes > 1 or launcher() in (TORCHRUN, SRUN)):
         PeerWatch(fabric, after, num_nodes, timeout, tag)
+
+
+def any_rank(fabric, *flags: bool) -> tuple[bool, ...]:
+    """Each flag OR-ed across ranks, so every rank takes the same branch (one all-reduce when distributed)."""
+    if fabric.world_size == 1:
+        return tuple(flags)
+    import torch
+
+    summed = fabric.all_reduce(torch.tensor([float(f) for f in flags], device=fabric.device), reduce_op="sum")
+    return tuple(bool(v > 0) for v in summed)

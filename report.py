@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from run_state import RECORD  # noqa: E402
+from checkpoints import RECORD  # noqa: E402
 
 
 def load_json(path: Path):
@@ -110,6 +110,13 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
             "Steps of the experiment: parse the MNIST IDX files (datasets_local.py), train LeNet-5 through Fabric "
             "with the settings above, evaluate on the 10,000 test images after every epoch, log to TensorBoard, "
             "checkpoint every epoch.", "")
+    lenet_curves(rep, run, s)
+    lenet_per_class(rep, s)
+    lenet_confusion(rep, s)
+    lenet_activations(rep, complete)
+
+
+def lenet_curves(rep: Report, run: Path, s: dict) -> None:
     loss = scalars(run, "train/loss")
     acc = [(h["step"], h["test_acc"]) for h in s["history"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -126,6 +133,8 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     b.set(xlabel="step", ylabel="%", title="test accuracy")
     rep.figure(fig, "lenet_curves.png", "LeNet-5 training loss and test accuracy")
 
+
+def lenet_per_class(rep: Report, s: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.bar(range(10), [100 * a for a in s["per_class_acc"]])
     low = min(95.0, 100 * min(s["per_class_acc"]) - 1)  # the differences are tenths of a percent: a cut axis, said so
@@ -135,6 +144,8 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     rep.add("| digit | " + " | ".join(map(str, range(10))) + " |", "|---" * 11 + "|",
             "| accuracy | " + " | ".join(f"{100 * a:.2f}%" for a in s["per_class_acc"]) + " |", "")
 
+
+def lenet_confusion(rep: Report, s: dict) -> None:
     fig, ax = plt.subplots(figsize=(5, 4.5))
     im = ax.imshow(s["confusion"], cmap="Blues", norm=matplotlib.colors.LogNorm(vmin=1))
     for i, row in enumerate(s["confusion"]):
@@ -144,6 +155,10 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     ax.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="true", title="confusion matrix")
     fig.colorbar(im, label="test images (log scale)")
     rep.figure(fig, "lenet_confusion.png", "confusion matrix")
+
+
+def lenet_activations(rep: Report, complete: list[Path]) -> None:
+    from fabric_lenet import ACTIVATIONS
 
     rep.add("### Activations compared", "", "The newest finished run of each activation:", "",
             "| activation | run | test acc | epochs | train s | samples/s |", "|---|---|---|---|---|---|")
@@ -156,7 +171,7 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
         rep.add(f"| {act} | `{p.name}` | {100 * r['test_acc']:.2f}% | {r['epochs']} | {r['train_time_s']:.1f} | "
                 f"{r['samples_per_s']:,.0f} |")
     rep.add("")
-    missing = [a for a in ("relu", "gelu_torch", "gelu_py", "gelu_cpp") if a not in by_act]
+    missing = [a for a in ACTIVATIONS if a not in by_act]
     if missing:
         rep.note("no run yet for " + ", ".join(missing) + "; produce them with "
                  + ", ".join(f"`make lenet ACT={a}`" for a in missing) + ".")

@@ -20,59 +20,30 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from flags import ConfigError
-
-STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
-              "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
-MODEL_PARALLEL = ("fsdp", "tp", "fsdp_tp", "pp")
-
-
-def is_deepspeed(strategy: str) -> bool:
-    return strategy.startswith("deepspeed")
-
-
-def zero_stage(strategy: str) -> int:
-    return int(strategy.split("_")[2]) if is_deepspeed(strategy) else 0
-
-
-def tp_size(cfg) -> int:
-    """Tensor-parallel group size: all processes for `tp`, --tp-size for `fsdp_tp`, else 1."""
-    world = cfg.devices * cfg.num_nodes
-    return (cfg.tp_size or world) if cfg.strategy in ("tp", "fsdp_tp") else 1
-
-
-def pp_size(cfg) -> int:
-    return (cfg.pp_size or cfg.devices * cfg.num_nodes) if cfg.strategy == "pp" else 1
-
+from layout import layout
 
 def fsdp_gathers_bf16(cfg) -> bool:
     """FSDP2 gathers the blocks in bf16 under bf16-mixed (apply_fsdp), not the float32 weights autocast would cast."""
-    return cfg.strategy in ("fsdp", "fsdp_tp") and cfg.precision == "bf16-mixed"
-
-
-def world_size(cfg) -> int:
-    return cfg.devices * cfg.num_nodes
-
-
-def data_parallel_size(cfg) -> int:
-    return cfg.devices * cfg.num_nodes // (tp_size(cfg) * pp_size(cfg))
+    return layout(cfg).fsdp and cfg.precision == "bf16-mixed"
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
 def deepspeed_config(cfg) -> dict:
     """Written out rather than left to defaults: accumulation and clipping must live here under DeepSpeed
     (Fabric's no_backward_sync and clip_gradients do not apply), and offload targets are explicit."""
-    stage = zero_stage(cfg.strategy)
-    zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": True,
+    L = layout(cfg)
+    zero = {"stage": L.zero_stage, "contiguous_gradients": True, "overlap_comm": True,
             "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8}
-    if cfg.strategy.endswith("_offload"):
+    if L.offload:
         target = {"device": "nvme", "nvme_path": cfg.nvme_path} if cfg.nvme_path else {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = dict(target)
-        if stage == 3:
+        if L.zero_stage == 3:
             zero["offload_param"] = dict(target)
     if cfg.nvme_path:
         # ZeRO-Infinity swaps the optimizer in sub-groups: DeepSpeed's default of 1e9 elements brings 16 GB of fp32
@@ -217,20 +188,20 @@ def cpu_deepspeed_strategy(config: dict):
 # ----------------------------------------------------------------------------- the Fabric strategy
 def make_strategy(cfg, on_gpu: bool):
     """The object (or name) handed to Fabric(strategy=...)."""
-    if is_deepspeed(cfg.strategy):
+    L = layout(cfg)
+    if L.deepspeed:
         from lightning.fabric.strategies import DeepSpeedStrategy
 
         strategy = DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
         # where zero.Init puts each partition as the model is built: straight to its offload target
         strategy.remote_device = "nvme" if cfg.nvme_path else None  # None: the device (on a CPU: host memory)
         return strategy
-    if cfg.strategy in MODEL_PARALLEL:
+    if L.model_parallel:
         from lightning.fabric.strategies import ModelParallelStrategy
 
         # Mesh dimensions: (data_parallel, tensor_parallel); pp uses the second one for its stages.
-        inner = pp_size(cfg) if cfg.strategy == "pp" else tp_size(cfg)
         return ModelParallelStrategy(parallelize_fn=functools.partial(parallelize, cfg=cfg),
-                                     data_parallel_size=data_parallel_size(cfg), tensor_parallel_size=inner)
+                                     data_parallel_size=L.dp_size, tensor_parallel_size=L.inner_mesh_size())
     return cfg.strategy
 
 
@@ -239,15 +210,15 @@ def parallelize(model: nn.Module, device_mesh, cfg) -> nn.Module:
     Fabric moves nothing here (its module_to_device is a no-op for this strategy): FSDP2 moves what it
     shards, but under plain tp distribute_tensor moves only the split linears, and a pipeline stage
     built by hand is not moved at all, so both are moved here."""
-    device = mesh_device(device_mesh)
-    if cfg.strategy == "tp":
+    device, L = mesh_device(device_mesh), layout(cfg)
+    if L.tensor_parallel and not L.fsdp:
         model.to(device)  # embeddings, LayerNorms, LM head: replicated, so each rank needs them on its device
-    if cfg.strategy in ("tp", "fsdp_tp"):
+    if L.tensor_parallel:
         apply_tensor_parallel(model, device_mesh["tensor_parallel"], cfg.n_head)
-    if cfg.strategy in ("fsdp", "fsdp_tp"):
+    if L.fsdp:
         apply_fsdp(model, device_mesh["data_parallel"], gather_bf16=fsdp_gathers_bf16(cfg))
-    if cfg.strategy == "pp":  # only this stage's blocks travel to the device, never the whole model
-        model = pipeline_stage_module(model, device_mesh["tensor_parallel"].get_local_rank(), pp_size(cfg)).to(device)
+    if L.pipeline:  # only this stage's blocks travel to the device, never the whole model
+        model = pipeline_stage_module(model, device_mesh["tensor_parallel"].get_local_rank(), L.pp_size).to(device)
     return model
 
 
@@ -430,30 +401,31 @@ def tied_groups(pipelines: tuple) -> list:
 
 
 # ----------------------------------------------------------------------------- gradients, any strategy
-def local_module(model, strategy: str) -> nn.Module:
+def local_module(model, cfg) -> nn.Module:
     """What this rank runs: the pipeline stage under pp (Fabric's wrapper keeps the whole model as
     `.module`), the model itself (sharded in place by FSDP2/TP) otherwise."""
-    return model._forward_module if strategy == "pp" else getattr(model, "module", model)
+    return model._forward_module if layout(cfg).pipeline else getattr(model, "module", model)
 
 
 def grad_norm(model, cfg, fabric) -> torch.Tensor:
     """The global L2 norm of the gradient, the same quantity for every strategy: sharded gradients are
     combined across ranks, tied and replicated ones counted once. A 0-dim tensor on the device, not read here:
     the training loop reads it at log points only (each read waits for the device)."""
-    if is_deepspeed(cfg.strategy):
+    L = layout(cfg)
+    if L.deepspeed:
         norm = model._forward_module.get_global_grad_norm() if hasattr(model, "_forward_module") else None
         return torch.as_tensor(norm if norm is not None else float("nan"))  # the engine's, as it holds it
-    module = local_module(model, cfg.strategy)
+    module = local_module(model, cfg)
     grads = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
-    if cfg.strategy == "pp" and not module.first:  # the tied embedding's copy: counted on the first stage
+    if L.pipeline and not module.first:  # the tied embedding's copy: counted on the first stage
         grads = [(name, g) for name, g in grads if name != "lm_head.weight"]
     square = sharded_square_sum([g for _, g in grads], fabric.device)
-    if cfg.strategy == "pp" and fabric.world_size > 1:
+    if L.pipeline and fabric.world_size > 1:
         import torch.distributed as dist
 
         # stages hold disjoint parameters; data-parallel replicas hold the same, so divide them out
         dist.all_reduce(square)
-        square /= data_parallel_size(cfg)
+        square /= L.dp_size
     return square.sqrt()
 
 
@@ -501,7 +473,7 @@ def clip_grad_norm(model, cfg, fabric, max_norm: float) -> torch.Tensor:
     gradient is multiplied by min(1, max_norm / norm), exactly 1.0 when the norm is within bounds."""
     norm = grad_norm(model, cfg, fabric)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in local_module(model, cfg.strategy).parameters():
+    for p in local_module(model, cfg).parameters():
         if p.grad is not None:
             p.grad.mul_(scale.to(p.grad.dtype))  # a 0-dim tensor: DTensor gradients take it as a replicated scalar
     return norm
@@ -524,9 +496,10 @@ def export_state_dict(fabric, model, cfg) -> dict | None:
     """The full model as GPT2LMHeadModel.state_dict() keys and layout, on rank 0 (None elsewhere)."""
     import torch.distributed as dist
 
-    if is_deepspeed(cfg.strategy):
+    L = layout(cfg)
+    if L.deepspeed:
         engine = model._forward_module if hasattr(model, "_forward_module") else model
-        if zero_stage(cfg.strategy) == 3:
+        if L.zero_stage == 3:
             import deepspeed
 
             params = list(engine.module.parameters())
@@ -535,16 +508,16 @@ def export_state_dict(fabric, model, cfg) -> dict | None:
         else:
             sd = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
         return sd if fabric.global_rank == 0 else None
-    module = local_module(model, cfg.strategy)
-    if cfg.strategy in ("fsdp", "tp", "fsdp_tp"):
+    module = local_module(model, cfg)
+    if L.fsdp or L.tensor_parallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if fabric.global_rank != 0:
             return None
         sd = {k: v.float() for k, v in sd.items()}
-        return undo_tensor_parallel(sd, cfg.n_layer, cfg.n_embd, cfg.n_head, tp_size(cfg)) if tp_size(cfg) > 1 else sd
-    if cfg.strategy == "pp":
+        return undo_tensor_parallel(sd, cfg.n_layer, cfg.n_embd, cfg.n_head, L.tp_size) if L.tp_size > 1 else sd
+    if L.pipeline:
         local = {k: v.detach().float().cpu() for k, v in module.state_dict().items()}
         parts = [None] * fabric.world_size if fabric.global_rank == 0 else None
         # through gloo on the CPU: over NCCL, gather_object stages every stage's pickled fp32 weights in
@@ -566,8 +539,8 @@ def export_checkpoint(folder) -> dict:
 
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    state = folder / "state"
-    if is_deepspeed(cfg["strategy"]):
+    L, state = layout(SimpleNamespace(**cfg)), folder / "state"
+    if L.deepspeed:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         sd = get_fp32_state_dict_from_zero_checkpoint(str(state))
@@ -586,7 +559,6 @@ def export_checkpoint(folder) -> dict:
     else:
         sd = torch.load(state, map_location="cpu", weights_only=False)["model"]
     sd = {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    if cfg["strategy"] in ("tp", "fsdp_tp"):
-        world = cfg["devices"] * cfg["num_nodes"]
-        sd = undo_tensor_parallel(sd, cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["tp_size"] or world)
+    if L.tensor_parallel:
+        sd = undo_tensor_parallel(sd, cfg["n_layer"], cfg["n_embd"], cfg["n_head"], L.tp_size)
     return sd

@@ -3,30 +3,18 @@
 Both print a table and write a JSON record to runs/gelu/ for `make report`.
 """
 
-import json
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from checkpoints import write_json_atomic
 from gelu_ext import APPROXIMATIONS, GeluBuildError, cuda_implementation, gelu_cpp, gelu_py, load_cpp
 
-
-
-def write_json_atomic(path, obj) -> None:
-    """The package stands alone (no import from the repository root): its own temp-file-and-rename writer."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
 
 
 def environment() -> dict:

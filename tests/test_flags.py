@@ -16,15 +16,19 @@ import datasets_local
 import fabric_gpt
 import fabric_lenet
 import flags
+import gpu_check
 import hf_export
 import lab
 import nanogpt_reference
 import report
+import sample
 from gelu_ext import __main__ as gelu_main
 
 PARSERS = {
     "fabric_lenet.py": lambda: flags.build_parser(fabric_lenet.Config, "", "fabric_lenet.py"),
     "fabric_gpt.py": lambda: flags.build_parser(fabric_gpt.Config, "", "fabric_gpt.py"),
+    "sample.py": lambda: flags.build_parser(sample.Config, "", "sample.py"),
+    "gpu_check.py": gpu_check.build_parser,
     "bench.py": bench.build_parser,
     "report.py": report.build_parser,
     "lab.py": lab.build_parser,

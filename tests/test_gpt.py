@@ -18,6 +18,9 @@ from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run
 import accounting
 import comm_counter
 import fabric_gpt as gpt
+import gpt_figures
+import gpt_model
+import layout
 import perf_model
 import strategies
 
@@ -611,7 +614,7 @@ def test_bad_inputs_fail_before_any_model_is_built(tmp_path, monkeypatch, args, 
 def test_pp_size_must_divide_processes():
     cfg = gpt.resolve(gpt.Config(strategy="pp", devices=3, pp_size=2, grad_accum=2, n_layer=4))
     with pytest.raises(gpt.ConfigError, match="--pp-size 2 must divide the 3 processes"):
-        gpt.validate_parallel_sizes(cfg)
+        layout.check_sizes(cfg)
 
 
 @pytest.mark.parametrize("args", [["--model", "gpt5"], ["--strategy", "zero4"], ["--precision", "fp8"], ["--steps", "-1"],
@@ -661,14 +664,14 @@ def test_the_first_advised_command_gets_past_the_refusal(tmp_path, monkeypatch, 
     """The advice considers every lever the plan knows (precision too), never one in use, and its first command
     passes the host-memory check (it reaches the model's construction)."""
     args = [a.replace("NVME", str(tmp_path / "nvme")) for a in args] + ["--accelerator", "cpu"]
-    monkeypatch.setattr(gpt, "run", lambda cfg: (_ for _ in ()).throw(Built()))  # what main() calls once all checks pass
+    monkeypatch.setattr(gpt, "find_run", lambda *a: (_ for _ in ()).throw(Built()))  # main() past all its checks
     with pytest.raises(SystemExit) as exit_:
         gpt.main([*args, "--out-dir", str(tmp_path / "a")])
     message = str(exit_.value.code)
     advised = re.search(r"Would fit: ([^(;]+) \(", message)
     assert advised, message
     given = " ".join(args)
-    for lever, _ in gpt.HOST_LEVERS:  # never a lever already in use
+    for lever, _ in accounting.HOST_LEVERS:  # never a lever already in use
         assert not (lever.replace(" DIR", "") in given.replace(str(tmp_path / "nvme"), "") and lever in message), lever
     assert not ("--nvme-path" in given and "--nvme-path DIR" in message)
     first = advised.group(1).split()
@@ -757,7 +760,7 @@ def test_a_run_planned_over_a_minute_says_so_before_its_first_step(seq_len, said
     cfg = gpt.resolve(gpt.Config(model="tiny", seq_len=seq_len, steps=2, accelerator="cpu"))
     fabric = Fabric(accelerator="cpu", devices=1)
     peak = gpt.accounting.peak_flops(fabric.device, cfg.precision)
-    gpt.announce_duration(fabric, cfg, gpt.count_parameters(cfg)[0], peak, 2)
+    gpt_figures.announce_duration(fabric, cfg, gpt.count_parameters(cfg)[0], peak, 2)
     out = capsys.readouterr().out
     assert ("planned: about " in out and "for 2 steps" in out and "Ctrl-C stops cleanly" in out) == said, out
 
@@ -960,7 +963,7 @@ def test_step_timer_hands_back_each_step_at_the_check_point():
     step's duration and whether it counts, in order, once."""
     import time
 
-    from run_state import StepTimer
+    from step_watch import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
     for pause in (0.01, 0.02):
@@ -1009,7 +1012,7 @@ def test_float32_attention_trains_as_bf16_attention_and_exports_plain_sdpa(tmp_p
     assert loaded.config._attn_implementation == "sdpa"
     cfg = gpt.resolve(gpt.Config(model="tiny", attention_precision="float32", precision="bf16-mixed"))
     ours = gpt.build_model(cfg)
-    assert ours.config._attn_implementation == accounting.SDPA_FLOAT32
+    assert ours.config._attn_implementation == gpt_model.SDPA_FLOAT32
     ours.load_state_dict(loaded.state_dict(), strict=False)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     with torch.no_grad():

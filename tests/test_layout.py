@@ -5,10 +5,16 @@ import ast
 
 from conftest import REPO
 
-SCRIPTS = {"fabric_lenet", "fabric_gpt", "bench", "lab", "gpu_check", "report"}
-MODULES = ["accounting", "comm_counter", "datasets_local", "flags", "hardware", "hf_export", "perf_model", "ranks",
-           "run_state",
-           "strategies", "gelu_ext/__init__", "gelu_ext/__main__"]
+SCRIPTS = {"fabric_lenet", "fabric_gpt", "sample", "bench", "lab", "gpu_check", "report"}
+# every other file: one idea each (README's Layout), some also a command (datasets_local, text_corpus, hf_export, ...)
+MODULES = ["accounting", "checkpoints", "comm_counter", "cpu_probe", "datasets_local", "flags", "gpt_figures", "gpt_model",
+           "hardware", "hf_export", "layout", "lenet_figures", "nanogpt_reference", "perf_model", "ranks", "run_state",
+           "step_watch", "stops", "strategies", "text_corpus", "gelu_ext/__init__", "gelu_ext/__main__"]
+
+
+def test_every_file_is_a_script_or_a_module_listed_here():
+    files = {str(p.relative_to(REPO).with_suffix("")) for p in [*REPO.glob("*.py"), *REPO.glob("gelu_ext/*.py")]}
+    assert files == SCRIPTS | set(MODULES), (files - SCRIPTS - set(MODULES), SCRIPTS | set(MODULES) - files)
 
 
 def imported(path) -> set[str]:
@@ -28,9 +34,16 @@ def test_no_module_below_the_scripts_imports_a_script():
 
 
 def test_the_lifecycle_is_the_ground_floor_the_scripts_share():
-    """run_state (the lifecycle) builds on flags, ranks and hardware; none of them imports it back."""
-    for below in ("flags", "ranks", "hardware"):
+    """run_state (the lifecycle) builds on flags, ranks and hardware, and on the checkpoints, stops and step watches
+    it runs; none of them imports it back."""
+    for below in ("flags", "ranks", "hardware", "checkpoints", "stops", "step_watch", "layout"):
         assert "run_state" not in imported(REPO / f"{below}.py"), below
-    assert {"flags", "ranks", "hardware"} <= imported(REPO / "run_state.py")
+    assert {"flags", "ranks", "hardware", "checkpoints", "stops", "step_watch"} <= imported(REPO / "run_state.py")
     for script in ("fabric_lenet", "fabric_gpt"):
         assert {"flags", "ranks", "hardware", "run_state"} <= imported(REPO / f"{script}.py"), script
+
+
+def test_every_file_says_what_it_holds():
+    """A module docstring on every file: the one idea a module holds, or what a script does and how to run it."""
+    missing = [m for m in sorted(SCRIPTS | set(MODULES)) if not ast.get_docstring(ast.parse((REPO / f"{m}.py").read_text()))]
+    assert not missing, missing

@@ -11,7 +11,10 @@ import torch
 
 from conftest import REPO, read_summary, run_in_process, run_script
 import fabric_lenet
-from fabric_lenet import BACKGROUND, Config, LeNet5, epoch_order, random_shift
+import cpu_probe
+import lenet_figures
+from datasets_local import BACKGROUND, random_shift
+from fabric_lenet import Config, LeNet5, epoch_order
 
 QUICK = ["--precision", "32-true", "--no-augment", "--no-tb-images", "--accelerator", "cpu"]
 
@@ -67,7 +70,8 @@ def test_tensorboard_images_show_the_real_channels_only(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    from fabric_lenet import BACKGROUND, evaluate, log_images
+    from fabric_lenet import evaluate
+    from lenet_figures import log_images
 
     model = LeNet5(Config())
     x, y = torch.randn(40, 1, 28, 28), torch.randint(0, 10, (40,))
@@ -194,7 +198,7 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--sync-check", "--accelerator", "cpu"], "needs a GPU"),
 ])
 def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, args, words):
-    monkeypatch.setattr(fabric_lenet, "run", lambda cfg: pytest.fail("training started"))
+    monkeypatch.setattr(fabric_lenet, "find_run", lambda *a: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exit_:
         fabric_lenet.main([*args, "--out-dir", str(tmp_path)])
     message = str(exit_.value.code)
@@ -210,27 +214,27 @@ def test_auto_precision_takes_the_faster_measured_step_and_caches_it(tmp_path):
     def timings(fp32, bf16):
         return lambda: calls.append(1) or {"32-true": fp32, "bf16-mixed": bf16}
 
-    key = fabric_lenet.probe_key(Config())
-    first = fabric_lenet.choose_precision(key, cache, timings(100.0, 130.0))
+    key = cpu_probe.lenet_probe_key(Config())
+    first = cpu_probe.choose_precision(key, cache, timings(100.0, 130.0))
     assert first["choice"] == "bf16-mixed" and not first["cached"] and len(calls) == 1
-    again = fabric_lenet.choose_precision(key, cache, timings(130.0, 100.0))  # not called: the cache answers
+    again = cpu_probe.choose_precision(key, cache, timings(130.0, 100.0))  # not called: the cache answers
     assert again["choice"] == "bf16-mixed" and again["cached"] and len(calls) == 1
     other = {**key, "local_batch": key["local_batch"] // 2}
-    assert fabric_lenet.choose_precision(other, cache, timings(130.0, 100.0))["choice"] == "32-true"
+    assert cpu_probe.choose_precision(other, cache, timings(130.0, 100.0))["choice"] == "32-true"
     assert len(calls) == 2
     cache.write_text("{not json")  # a damaged cache is measured again, not an error
-    assert fabric_lenet.choose_precision(key, cache, timings(1.0, 2.0))["choice"] == "bf16-mixed" and len(calls) == 3
+    assert cpu_probe.choose_precision(key, cache, timings(1.0, 2.0))["choice"] == "bf16-mixed" and len(calls) == 3
 
 
 def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatch):
-    base = fabric_lenet.probe_key(Config())
+    base = cpu_probe.lenet_probe_key(Config())
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert fabric_lenet.probe_key(Config()) != base  # a cap picks other kernels: measured again
+    assert cpu_probe.lenet_probe_key(Config()) != base  # a cap picks other kernels: measured again
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert base["local_batch"] == 512 and base["cpu"] and base["torch"] == torch.__version__
-    assert fabric_lenet.probe_key(Config(devices=2))["local_batch"] == 256
-    assert fabric_lenet.probe_key(Config(channels_last=False)) != base
-    assert fabric_lenet.probe_key(Config(activation="gelu_py")) != base
+    assert cpu_probe.lenet_probe_key(Config(devices=2))["local_batch"] == 256
+    assert cpu_probe.lenet_probe_key(Config(channels_last=False)) != base
+    assert cpu_probe.lenet_probe_key(Config(activation="gelu_py")) != base
 
 
 def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp_path):
@@ -312,7 +316,7 @@ def test_a_lenet_step_reads_no_device_value_between_check_points(mnist_dir, tmp_
     short = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "30", "--run-name", "short")
     long = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "90", "--run-name", "long")
     training = lambda reads: {k: v for k, v in reads.items() if k[1] != "evaluate"}  # noqa: E731
-    assert training(long) == training(short) == {("tolist", "fold_losses"): 1}, (short, long)
+    assert training(long) == training(short) == {("tolist", "read"): 1}, (short, long)
 
 
 def test_a_nan_in_lenet_is_named_by_its_step_at_the_next_check_point(mnist_dir, tmp_path):
@@ -347,14 +351,14 @@ def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, mode):
 def test_time_to_accuracy_is_the_first_evaluation_at_the_target():
     history = [{"step": 10, "train_time_s": 1.0, "test_acc": 0.985}, {"step": 20, "train_time_s": 2.0, "test_acc": 0.9905},
                {"step": 30, "train_time_s": 3.0, "test_acc": 0.9899}, {"step": 40, "train_time_s": 4.0, "test_acc": 0.992}]
-    assert fabric_lenet.time_to_accuracy(history) == {"99.0%": {"train_time_s": 2.0, "step": 20},
+    assert lenet_figures.time_to_accuracy(history) == {"99.0%": {"train_time_s": 2.0, "step": 20},
                                                        "99.2%": {"train_time_s": 4.0, "step": 40}}
-    assert fabric_lenet.time_to_accuracy(history[:3])["99.2%"] is None
+    assert lenet_figures.time_to_accuracy(history[:3])["99.2%"] is None
 
 
 def test_steady_speed_leaves_out_each_start_s_first_epoch():
     history = [{"epoch": 1, "samples_per_s": 10.0}, {"epoch": 1, "partial": True, "samples_per_s": 0.0},
                {"epoch": 2, "samples_per_s": 30.0}, {"epoch": 3, "samples_per_s": 40.0}, {"epoch": 4, "samples_per_s": 20.0}]
-    assert fabric_lenet.steady_speed(history, first_epoch_here=0) == 30.0  # median of epochs 2-4
-    assert fabric_lenet.steady_speed(history, first_epoch_here=2) == 20.0  # resumed after epoch 2: epoch 3 starts up
-    assert fabric_lenet.steady_speed(history[:2], first_epoch_here=0) is None
+    assert lenet_figures.steady_speed(history, first_epoch_here=0) == 30.0  # median of epochs 2-4
+    assert lenet_figures.steady_speed(history, first_epoch_here=2) == 20.0  # resumed after epoch 2: epoch 3 starts up
+    assert lenet_figures.steady_speed(history[:2], first_epoch_here=0) is None

@@ -11,6 +11,8 @@ from conftest import run_in_process
 import accounting
 import cpu_probe
 import fabric_gpt as gpt
+import gpt_figures
+import layout
 import perf_model
 
 ONE_GB = perf_model.GB
@@ -123,11 +125,11 @@ def test_plan_refuses_what_the_cluster_cannot_run(args, words):  # an unknown --
 def test_a_gpu_run_records_its_predicted_step_beside_the_measured():
     cfg = cfg_of(strategy="ddp", devices=2)
     n = gpt.count_parameters(cfg)[0]
-    got = gpt.predicted_step(cfg, {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}, n)
+    got = gpt_figures.predicted_step(cfg, {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}, n)
     assert got["cluster"] == "h100-sxm"
     assert got["step_time_s"] == perf_model.time_plan(cfg, perf_model.CLUSTERS["h100-sxm"], n)["step_time_s"]
-    assert gpt.predicted_step(cfg, {"device": "cpu", "device_name": "AMD EPYC"}, n) is None
-    assert gpt.predicted_step(cfg, {"device": "cuda", "device_name": "Tesla T4"}, n) is None
+    assert gpt_figures.predicted_step(cfg, {"device": "cpu", "device_name": "AMD EPYC"}, n) is None
+    assert gpt_figures.predicted_step(cfg, {"device": "cuda", "device_name": "Tesla T4"}, n) is None
 
 
 # ----------------------------------------------------------------------------- this CPU, measured (cpu_probe.py)
@@ -156,7 +158,7 @@ def test_the_minimal_job_keeps_the_runs_strategy_and_is_accepted(strategy):
     for field in ("strategy", "devices", "n_layer", "grad_accum", "optimizer", "precision", "tp_size"):
         assert getattr(minimal, field) == getattr(cfg, field), field
     assert (minimal.n_embd, minimal.seq_len, minimal.vocab_size) == (8 * minimal.n_head, 8, 16)
-    gpt.validate_parallel_sizes(minimal)
+    layout.check_sizes(minimal)
     assert minimal.num_samples % gpt.samples_per_step(minimal) == 0
 
 

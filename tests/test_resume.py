@@ -197,9 +197,9 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
     the last complete checkpoint and the resume command; exit 1; no partial folder; the run resumes from step 2."""
     import errno
 
-    import run_state
+    import checkpoints
 
-    write = run_state.Checkpoints._write
+    write = checkpoints.Checkpoints._write
 
     def full_at_step_4(self, fabric, folder, state):
         if "step-00000004" in str(folder):
@@ -210,7 +210,7 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
 
     args = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
             "--checkpoint-every", "2", "--out-dir", tmp_path, "--run-name", "full"]
-    monkeypatch.setattr(run_state.Checkpoints, "_write", full_at_step_4)
+    monkeypatch.setattr(checkpoints.Checkpoints, "_write", full_at_step_4)
     proc = run_in_process("fabric_gpt.py", *args, check=False)
     message = proc.stderr.strip()
     folder = tmp_path / "full" / "checkpoints"

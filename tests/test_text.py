@@ -222,14 +222,14 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
 
     events = EventAccumulator(str(tmp_path / "t")).Reload()
     assert [e.step for e in events.Scalars("val/loss")] == [12, 24]
-    first = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
+    first = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
                            "--max-new-tokens", "40", "--seed", "7")
-    again = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
+    again = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
                            "--max-new-tokens", "40", "--seed", "7")
     text = first.stdout.split(":\n\n", 1)[1]
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:") + 30
     assert first.stdout == again.stdout  # seeded
-    greedy = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
+    greedy = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
                             "--max-new-tokens", "20")
     assert "step-00000024 (step 24)" in greedy.stdout
     from transformers import AutoModelForCausalLM, AutoTokenizer  # the exported folder carries the tokenizer
@@ -291,7 +291,7 @@ def test_bad_text_input_ends_in_one_message(tmp_path, text_dir, args, message):
 def test_sampling_a_run_without_text_says_why(tmp_path):
     run_in_process("fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--num-samples", "8", "--out-dir", tmp_path,
                    "--run-name", "rnd")
-    proc = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "rnd", check=False)
+    proc = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "rnd", check=False)
     assert proc.returncode == 1 and "was not trained on text" in proc.stderr
 
 
@@ -315,9 +315,9 @@ def test_every_strategy_sees_the_same_text_and_validation(tmp_path, text_dir, st
     assert [l for _, l in two["losses"]] == pytest.approx([l for _, l in one["losses"]], rel=1e-4)
     assert [v for _, v in two["val_losses"]] == pytest.approx([v for _, v in one["val_losses"]], rel=1e-4)
     assert len(one["val_losses"]) == 2 and one["val_losses"][-1][1] < one["val_losses"][0][1]
-    sample = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "two", "--max-new-tokens",
+    sample = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "two", "--max-new-tokens",
                             "10", "--top-k", "1")
-    greedy_one = run_in_process("fabric_gpt.py", "--sample", "--out-dir", tmp_path, "--run-name", "one",
+    greedy_one = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "one",
                                 "--max-new-tokens", "10", "--top-k", "1")
     assert sample.stdout.split(":\n\n", 1)[1] == greedy_one.stdout.split(":\n\n", 1)[1]  # gathered weights, same text
 

@@ -1,0 +1,282 @@
+"""Checkpoints and the files of a run, written so that a reader never sees half of one: every file goes through a
+temporary name, fsync and rename (`write_atomic`: the one writer of the repository's JSON records, downloads and
+checkpoint folders), and a checkpoint is a numbered folder completed by a rename once every rank has written.
+
+    runs/<run>/checkpoints/step-00001234/   state (fabric.save: one file, or a folder of shards) and config.json
+
+`Checkpoints` saves them (keeping the newest --keep-last), finds the newest usable one for --resume and refuses or
+skips a damaged one with the reason, every rank taking the same decision.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from ranks import any_rank
+
+PARTIAL = ".partial"
+RECORD = "record.json"
+STEP_DIR = re.compile(r"step-(\d{8})$")
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint that cannot be used, with the reason and the fix."""
+
+
+class DiskFull(RuntimeError):
+    """A checkpoint or record could not be written for lack of space: nothing complete was lost."""
+
+
+# ----------------------------------------------------------------------------- atomic files
+def write_atomic(path, data: bytes) -> None:
+    """Temporary file in the same folder, fsync, rename: a reader sees the old file or the new one, never half of
+    one, and a full disk or a signal leaves no temporary file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, default=str).encode())
+
+
+def read_record(run_dir) -> dict | None:
+    """A run's record.json, or None when the run has not finished (or the file is unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _fsync(path: Path) -> None:
+    """Flush one file, or one directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        _fsync(p)
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one short line, its type and first sentence: torch's load errors run to paragraphs of
+    advice (weights_only, "Please file an issue") that are not the reason a checkpoint was skipped."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    first = re.split(r"(?<=\.)\s|\n", text, maxsplit=1)[0].rstrip(".,: ") if text else "no message"
+    return f"{type(e).__name__}: {first if len(first) <= 160 else first[:157] + '...'}"
+
+
+def damaged_files(path: Path) -> str | None:
+    """A cheap check of a checkpoint's files before any rank loads it: torch.save writes zip archives,
+    and a truncated archive has lost its central directory. Returns the first problem found."""
+    state = path / "state"
+    files = [state] if state.is_file() else sorted(p for p in state.rglob("*") if p.is_file())
+    for f in files:
+        if f.stat().st_size == 0:
+            return f"{f} is empty"
+        with open(f, "rb") as fh:
+            is_zip = fh.read(4) == b"PK\x03\x04"
+        if is_zip and not zipfile.is_zipfile(f):
+            return f"{f} is truncated (its zip directory is missing)"
+    return None
+
+
+class Checkpoints:
+    """Numbered, atomically written checkpoints in one folder, keeping the newest `keep_last`."""
+
+    def __init__(self, folder, keep_last: int = 3, per_rank_files: bool = False):
+        # per_rank_files: each rank writes its own torch.save file, for models Fabric cannot save (pipeline
+        # stages hold plain tensors, which ModelParallelStrategy's distributed checkpoint refuses)
+        self.folder, self.keep_last, self.per_rank_files = Path(folder), keep_last, per_rank_files
+
+    def _write(self, fabric, path: Path, state: dict) -> None:
+        if not self.per_rank_files:
+            return fabric.save(path, state)
+        path.mkdir(parents=True, exist_ok=True)
+        plain = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+        torch.save(plain, path / f"rank-{fabric.global_rank:05d}.pt")
+
+    def _read(self, fabric, path: Path, state: dict) -> None:
+        if not self.per_rank_files:
+            stateful = {k: v for k, v in state.items() if hasattr(v, "load_state_dict")}
+            fabric.load(path, state)
+            for key, obj in stateful.items():  # some strategies put the saved dict in place of the object
+                if state[key] is not obj:
+                    obj.load_state_dict(state[key])
+                    state[key] = obj
+            return
+        saved = torch.load(path / f"rank-{fabric.global_rank:05d}.pt", map_location=fabric.device, weights_only=False)
+        for key, obj in state.items():
+            obj.load_state_dict(saved[key])
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+    def clean_partial(self) -> None:
+        """Saves cut short by a kill leave `.partial` folders; nothing can use them."""
+        for p in self.folder.glob(f"step-*{PARTIAL}") if self.folder.is_dir() else []:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, fabric, state: dict, step: int, config: dict) -> Path:
+        final = self.folder / f"step-{step:08d}"
+        partial = final.with_name(final.name + PARTIAL)
+        problem = None
+        if fabric.global_rank == 0:
+            problem = disk_full(lambda: (shutil.rmtree(partial, ignore_errors=True), partial.mkdir(parents=True),
+                                         write_json_atomic(partial / "config.json", config)))
+        fabric.barrier()
+        problem = problem or disk_full(lambda: self._write(fabric, partial / "state", state))
+        if any_rank(fabric, problem is not None)[0]:  # every rank stops, and the partial folder goes
+            if fabric.global_rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise DiskFull(self.full_message(fabric, state, step, problem))
+        fabric.barrier()  # every rank's shard is written before the folder is declared complete
+        if fabric.global_rank == 0:
+            _fsync_tree(partial)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            _fsync(self.folder)
+            for old in self.complete()[:-self.keep_last] if self.keep_last > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        fabric.barrier()
+        return final
+
+    def full_message(self, fabric, state: dict, step: int, problem: OSError | None) -> str:
+        """The folder, the bytes the checkpoint needs and has, the last complete checkpoint and how to resume."""
+        need = sum(state_bytes(v) for v in state.values())
+        if fabric.world_size > 1:
+            need = float(fabric.all_reduce(torch.tensor(float(need), device=fabric.device), reduce_op="sum"))
+        free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+        last = self.complete()
+        kept = (f"the last complete checkpoint, {last[-1]}, is intact: free space (or move --out-dir) and continue with "
+                f"--resume auto --run-name {self.folder.parent.name}") if last else \
+            "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
+        return (f"no space left to write the checkpoint of step {step} into {self.folder}: it needs about "
+                f"{need / 2**20:,.1f} MiB and the disk has {free / 2**20:,.1f} MiB free"
+                f"{f' ({problem.strerror})' if problem else ' (on another process)'}. The partial checkpoint was removed; "
+                f"{kept}")
+
+    def resolve(self, resume: str) -> list[Path]:
+        """Candidates for --resume, newest first: `auto` lists this run's checkpoints, a path names one."""
+        if resume == "auto":
+            return list(reversed(self.complete()))
+        path = checkpoint_folder(resume)
+        if not (path / "state").exists() or not STEP_DIR.match(path.name):
+            raise ResumeError(f"--resume {resume}: no checkpoint there (expected a folder with `state` and "
+                              f"`config.json`, such as {self.folder}/step-00000100). Fix: pass such a folder or `auto`.")
+        return [path]
+
+    def load(self, fabric, state: dict, resume: str, check_config) -> Path | None:
+        """Load the newest usable candidate into `state`. Every rank takes the same decision: a checkpoint
+        that any rank cannot read is skipped by all (with `auto`), so ranks never resume different steps.
+
+        `check_config(saved_config)` raises ResumeError when the checkpoint belongs to another experiment;
+        that is never skipped, since an older checkpoint of the same run would be refused just the same.
+        """
+        for path in self.resolve(resume):
+            try:
+                saved = json.loads((path / "config.json").read_text())
+                why = None
+            except (OSError, ValueError) as e:
+                why = f"config.json unreadable ({e})"
+            if why is None:
+                check_config(saved)
+                why = damaged_files(path)
+            if not self._agreed_ok(fabric, path, why, resume):
+                continue
+            try:
+                self._read(fabric, path / "state", state)
+            except Exception as e:  # torch/zip/pickle/DeepSpeed errors differ; all mean "this one is bad"
+                why = one_line(e)
+            if not self._agreed_ok(fabric, path, why, resume):
+                continue
+            return path
+        return None
+
+    def _agreed_ok(self, fabric, path: Path, why: str | None, resume: str) -> bool:
+        (bad,) = any_rank(fabric, why is not None)
+        if not bad:
+            return True
+        why = why or "another process could not read its part"
+        if resume != "auto":
+            raise ResumeError(f"checkpoint {path} cannot be loaded: {why}. Fix: resume from another checkpoint "
+                              f"(--resume auto picks the newest good one) or start a new run.")
+        fabric.print(f"warning: skipping checkpoint {path}: {why}", file=sys.stderr)
+        return False
+
+    def abandon_newer(self, fabric, loaded: Path) -> None:
+        """Checkpoints newer than the one resumed belong to a branch this run no longer follows; moved
+        aside (not deleted), so they neither outrank new saves in pruning nor get picked by `auto`."""
+        if fabric.global_rank == 0:
+            newer = [p for p in self.complete() if step_of(p) > step_of(loaded)]
+            if newer:
+                aside = self.folder / f"abandoned-{datetime.now():%Y%m%d-%H%M%S}"
+                aside.mkdir(parents=True, exist_ok=True)
+                for p in newer:
+                    os.replace(p, aside / p.name)
+                fabric.print(f"moved {len(newer)} newer checkpoint(s) of the abandoned branch to {aside}")
+        fabric.barrier()
+
+
+def checkpoint_folder(resume: str) -> Path:
+    path = Path(resume)
+    return path.parent if path.name == "state" else path
+
+
+def disk_full(write) -> OSError | None:
+    """Run `write`; return its error when the disk (or the quota) was full, raise any other."""
+    try:
+        write()
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        raise
+    return None
+
+
+def state_bytes(obj) -> int:
+    """Bytes of the tensors an object's state_dict holds on this rank (its shard under ZeRO/FSDP)."""
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size() if x.device.type != "meta" else 0
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+    try:
+        return walk(obj.state_dict()) if hasattr(obj, "state_dict") else 0
+    except Exception:  # a DeepSpeed engine's state_dict may need collectives; the estimate then leaves it out
+        return 0
+
+

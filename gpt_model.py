@@ -1,0 +1,152 @@
+"""The course's GPT-2: transformers' GPT2LMHeadModel in the presets' shapes, built with GPT-2's initialisation
+(the same weights whatever the strategy), its parameter count, and the attention it computes (transformers' SDPA,
+in float32 on a CPU where that measures faster). What nanoGPT keeps in model.py; the training is fabric_gpt.py's.
+"""
+
+import math
+import zlib
+from contextlib import nullcontext
+
+import torch
+
+import cpu_probe
+from hardware import sdpa_kernel
+from layout import layout
+
+# name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
+PRESETS = {
+    "tiny": (64, 2, 4, 64, 256),
+    "small": (256, 4, 4, 256, 50257),
+    "gpt2": (768, 12, 12, 1024, 50257),
+    "gpt2-medium": (1024, 24, 16, 1024, 50257),
+    "gpt2-large": (1280, 36, 20, 1024, 50257),
+    "gpt2-xl": (1600, 48, 25, 1024, 50257),
+    "1.6b": (1600, 48, 32, 1024, 50257),  # the course's table: hidden 1600, 32 heads, 48 layers, seq 1024
+}
+
+def gpt2_config(cfg, attention: str | None = None):
+    """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache), with the attention the run
+    computes (attention_implementation) unless `attention` names one."""
+    from transformers import GPT2Config
+
+    # GPT-2's tanh GELU as one kernel: the same function as gelu_new, whose eight elementwise ops took 15% of a CPU
+    # step of the nanoGPT recipe (python bench.py text) and saved 12 of a block's 112 bytes per element for backward
+    return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
+                      activation_function="gelu_pytorch_tanh",
+                      vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
+                      eos_token_id=cfg.vocab_size - 1, attn_implementation=attention or attention_implementation(cfg))
+
+
+SDPA_FLOAT32 = "sdpa_float32"
+
+
+def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention computed in float32, outside autocast, for a run whose 16-bit attention is the
+    slower (cpu_probe.float32_attention_faster); the output goes back to the run's dtype for the projection."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def attention_implementation(cfg) -> str:
+    """"sdpa" (transformers' default), or SDPA_FLOAT32 for a 16-bit run whose --attention-precision is float32
+    (fabric_gpt.resolve_attention decides auto before anything is built)."""
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    if not half or getattr(cfg, "attention_precision", "autocast") != "float32":
+        return "sdpa"
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SDPA_FLOAT32, sdpa_in_float32)
+    return SDPA_FLOAT32
+
+
+def count_parameters(cfg) -> tuple[int, str]:
+    """(parameters, attention implementation), from the model on the meta device (no memory)."""
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(gpt2_config(cfg))
+    return sum(p.numel() for p in model.parameters()), model.config._attn_implementation  # tied wte/lm_head once
+
+
+def build_model(cfg, fabric=None):
+    """GPT2LMHeadModel with GPT-2's initialisation. Under ZeRO-3 (given the Fabric) it is built inside
+    deepspeed.zero.Init, so that no rank ever holds it whole: each parameter is partitioned as it is created and
+    then filled one gathered parameter at a time. Every other strategy builds it whole on every rank and cuts or
+    shards it. Either way each weight comes from `initial_weights`, by name: the same model for every strategy."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(cfg.seed)
+    partitioned = fabric is not None and layout(cfg).zero_stage == 3
+    with fabric.init_module(empty_init=True) if partitioned else nullcontext():
+        model = GPT2LMHeadModel(gpt2_config(cfg))
+    fill_initial_weights(model, cfg, partitioned)
+    if cfg.grad_checkpointing:
+        kwargs = {"use_reentrant": False}  # the reentrant variant drops gradients of inputs without grad
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def initial_weights(name: str, shape: torch.Size, cfg) -> torch.Tensor:
+    """transformers' GPT-2 initialisation (N(0, 0.02), c_proj weights N(0, 0.02/sqrt(2L)), zero biases, unit
+    LayerNorms), each parameter drawn from its own generator seeded by the run's seed and the parameter's name,
+    so that it does not depend on the order parameters are created or filled in."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name:
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+    generator = torch.Generator().manual_seed(cfg.seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+def fill_initial_weights(model, cfg, partitioned: bool) -> None:
+    """Write initial_weights into every parameter; a ZeRO-3 partitioned one is gathered alone, filled on rank 0
+    and partitioned again (DeepSpeed broadcasts rank 0's values): at most one whole parameter is held at once."""
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if partitioned:
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    for name, p in model.named_parameters():
+        with GatheredParameters(p, modifier_rank=0) if partitioned else nullcontext(), torch.no_grad():
+            if first or not partitioned:
+                p.copy_(initial_weights(name, p.shape, cfg).to(p.dtype))
+
+
+def math_dtype(cfg) -> torch.dtype:
+    """The dtype the run's matmuls compute in: autocast's, else the weights' (cpu_probe.compute_dtype)."""
+    weights, autocast = cpu_probe.compute_dtype(cfg.precision, layout(cfg).deepspeed)
+    return autocast or weights
+
+
+def resolve_attention(cfg, on_gpu: bool) -> str:
+    """--attention-precision auto as this run will compute it: float32 on a CPU where SDPA's forward and backward at
+    the run's shape measure faster in float32 than in the run's 16-bit type (the CPU flash kernel's bf16 backward was
+    4x its float32 time on the AVX-512 BF16 EPYC, more than bf16 matmuls save), else the 16-bit type."""
+    if cfg.attention_precision != "auto":
+        return cfg.attention_precision
+    half = math_dtype(cfg)
+    if on_gpu or half == torch.float32:
+        return "autocast"
+    faster = cpu_probe.float32_attention_faster(cfg.n_head // layout(cfg).tp_size, cfg.seq_len,
+                                                cfg.n_embd // cfg.n_head, cfg.micro_batch_size, half,
+                                                cpu_probe.rank_threads(cfg.devices))
+    return "float32" if faster else "autocast"
+
+
+def attention_kernel(cfg, device: torch.device, implementation: str) -> str:
+    """The attention kernel this run's shape gets on its device (a rank's heads under tensor parallel), in the
+    dtype its matmuls run in: for the record, since PyTorch picks it silently (the 1.6B preset's head dimension 50
+    is not a multiple of 8, which some kernels need)."""
+    if implementation not in ("sdpa", SDPA_FLOAT32):
+        return f"{implementation} (transformers' own, scores materialised)"
+    # --attention-precision float32 (chosen by auto where it measured faster), else the run's matmul dtype
+    dtype = torch.float32 if implementation == SDPA_FLOAT32 else math_dtype(cfg)
+    heads, head_dim = cfg.n_head // layout(cfg).tp_size, cfg.n_embd // cfg.n_head
+    kernel = sdpa_kernel(device, dtype, heads, cfg.seq_len, head_dim, cfg.dropout)
+    return f"SDPA {kernel}, {heads} heads x {head_dim} dims x {cfg.seq_len} positions in {str(dtype).split('.')[-1]}"

@@ -1,0 +1,149 @@
+"""The parallel layout of a run, one value built from its flags: how many processes, how they split the work
+(data, tensor and pipeline parallel sizes), what is sharded (ZeRO's stage, FSDP) and what is offloaded. Every
+other module reads these attributes; only this one reads the strategy's name.
+
+    L = layout(cfg)          # cfg: fabric_gpt's or fabric_lenet's Config (or anything with the same fields)
+    L.world, L.dp_size, L.tp_size, L.pp_size, L.zero_stage, L.offload, L.deepspeed, L.fsdp, L.pipeline ...
+
+    auto                 one process (or Fabric's default for several)
+    ddp                  replicated model, gradients all-reduced (Fabric's DDPStrategy)
+    dp                   LeNet-5 only: one process driving several GPUs (torch's DataParallel)
+    deepspeed_stage_N    ZeRO-1/2/3: optimizer states (1), gradients (2), parameters (3) sharded over the processes
+    ..._offload          ... and kept in CPU memory (or on NVMe with --nvme-path)
+    fsdp                 FSDP2: parameters, gradients and optimizer states sharded block by block
+    tp                   Megatron tensor parallel over all processes
+    fsdp_tp              2-D: tensor parallel in groups of --tp-size, FSDP2 across them
+    pp                   --pp-size pipeline stages, data parallel across pipelines
+"""
+
+import dataclasses
+import functools
+
+from flags import ConfigError
+
+STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
+              "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    strategy: str
+    world: int  # processes in all: --devices x --num-nodes
+    tp_size: int = 1  # processes that split each layer's matrices
+    pp_size: int = 1  # pipeline stages
+    zero_stage: int = 0  # DeepSpeed ZeRO's stage (0: not DeepSpeed)
+    offload: bool = False  # ZeRO's optimizer states (stage 3: parameters too) in CPU memory or on NVMe
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: each takes its own share of every global batch."""
+        return self.world // (self.tp_size * self.pp_size)
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.zero_stage > 0
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 shards parameters, gradients and optimizer states over the data-parallel processes."""
+        return self.strategy in ("fsdp", "fsdp_tp")
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Layers split across processes: DTensor parameters (which cannot share a fused kernel with plain ones)."""
+        return self.strategy in ("tp", "fsdp_tp")
+
+    @property
+    def pipeline(self) -> bool:
+        return self.strategy == "pp"
+
+    @property
+    def model_parallel(self) -> bool:
+        """Run by Fabric's ModelParallelStrategy (device mesh, distributed checkpoints): fsdp, tp, fsdp_tp, pp."""
+        return self.fsdp or self.tensor_parallel or self.pipeline
+
+    @property
+    def replicated(self) -> bool:
+        """The whole model on every process (one process, DDP, DataParallel): Fabric clips its gradients."""
+        return not (self.deepspeed or self.model_parallel)
+
+    @property
+    def threads(self) -> bool:
+        """One process driving several GPUs in threads (DataParallel), where autocast must be entered per thread."""
+        return self.strategy == "dp"
+
+    @property
+    def sharded_states(self) -> bool:
+        """Optimizer states split over processes (ZeRO, FSDP, tp's shards, pp's stages): a checkpoint of this run
+        cannot be resumed on another number of processes."""
+        return not self.replicated
+
+    def inner_mesh_size(self) -> int:
+        """ModelParallelStrategy's second mesh dimension: tensor-parallel ranks, or pipeline stages under pp."""
+        return self.pp_size if self.pipeline else self.tp_size
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(strategy: str, devices: int, num_nodes: int, tp_size: int, pp_size: int) -> Layout:
+    world = devices * num_nodes
+    deepspeed = strategy.startswith("deepspeed")
+    return Layout(strategy, world,
+                  tp_size=(tp_size or world) if strategy in ("tp", "fsdp_tp") else 1,
+                  pp_size=(pp_size or world) if strategy == "pp" else 1,
+                  zero_stage=int(strategy.split("_")[2]) if deepspeed else 0,
+                  offload=strategy.endswith("_offload"))
+
+
+def layout(cfg) -> Layout:
+    """The layout of cfg's flags (--strategy, --devices, --num-nodes, --tp-size, --pp-size): built once for each
+    distinct set of them."""
+    return _layout(cfg.strategy, cfg.devices, cfg.num_nodes, getattr(cfg, "tp_size", 0), getattr(cfg, "pp_size", 0))
+
+
+def check_sizes(cfg) -> None:
+    """Refuse --tp-size and --pp-size that do not fit the strategy, the processes or the model, with the fix."""
+    L = layout(cfg)
+    if cfg.tp_size and not L.tensor_parallel:
+        raise ConfigError(f"--tp-size applies to --strategy tp or fsdp_tp, not {cfg.strategy}; drop it or pick one of those")
+    if cfg.pp_size and not L.pipeline:
+        raise ConfigError(f"--pp-size applies to --strategy pp, not {cfg.strategy}; drop it or use --strategy pp")
+    if L.tensor_parallel:
+        t = L.tp_size
+        if cfg.n_head % t:
+            raise ConfigError(f"--tp-size {t} must divide the {cfg.n_head} attention heads (each rank holds whole "
+                              f"heads); choose a divisor of {cfg.n_head}")
+        if L.world % t:
+            raise ConfigError(f"--tp-size {t} must divide the {L.world} processes; choose a divisor of {L.world}")
+        if not L.fsdp and t != L.world:
+            raise ConfigError(f"--strategy tp uses all {L.world} processes for one tensor-parallel group; for "
+                              f"--tp-size {t} with data parallel across groups use --strategy fsdp_tp")
+    if L.pipeline:
+        p = L.pp_size
+        if p > cfg.n_layer:
+            raise ConfigError(f"--pp-size {p} is larger than the {cfg.n_layer} layers: each stage needs at least one "
+                              f"block; use at most {cfg.n_layer}")
+        if L.world % p:
+            raise ConfigError(f"--pp-size {p} must divide the {L.world} processes; choose a divisor of {L.world}")
+        if cfg.grad_accum < p:
+            raise ConfigError(f"--grad-accum {cfg.grad_accum}: a pipeline of {p} stages needs at least {p} "
+                              f"micro-batches per step (they are what flows through the stages); use --grad-accum {p} or more")
+
+
+def search_layouts(devices: int, num_nodes: int, n_head: int, n_layer: int) -> list[Layout]:
+    """Every layout `--search` weighs on devices x num_nodes: one device alone; else data parallel, FSDP and each ZeRO
+    stage (with offload), tensor parallel inside one node, fsdp_tp for each tensor-parallel group of a node's devices,
+    and pp for each stage count that divides the processes."""
+    world = devices * num_nodes
+    if world == 1:
+        return [_layout("auto", 1, 1, 0, 0)]
+    names = ["ddp", "fsdp", *(s for s in STRATEGIES if s.startswith("deepspeed"))]
+    found = [_layout(s, devices, num_nodes, 0, 0) for s in names]
+    if world <= devices and n_head % world == 0:
+        found.append(_layout("tp", devices, num_nodes, 0, 0))
+    found += [_layout("fsdp_tp", devices, num_nodes, t, 0) for t in divisors(devices) if 1 < t < world and n_head % t == 0]
+    found += [_layout("pp", devices, num_nodes, 0, p) for p in divisors(world) if 1 < p <= n_layer]
+    return found
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
