@@ -29,7 +29,7 @@ SAMPLE_FLAGS = $(if $(PROMPT),--prompt '$(PROMPT)') $(call flag,NEW_TOKENS,--max
 	$(call flag,TOP_K,--top-k) $(call flag,SEED,--seed)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab gpu-check data text sample lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt export plan gpt-plan bench-gpt bench-text report clean
+.PHONY: help setup lab gpu-check data text sample lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-command export plan gpt-plan bench-gpt bench-text report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -110,9 +110,12 @@ bench-lenet: $(SETUP) ## LeNet-5 samples/s (DataLoader vs in-memory) and time to
 gpt: $(SETUP) ## train GPT-2 on random tokens or DATASET=text (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
 	$(PY) fabric_gpt.py $(GPT_FLAGS)
 
+gpt-command: ## print the command `make gpt` runs (gpt.sbatch gives it to srun: each task is then Python itself)
+	@echo $(PY) fabric_gpt.py $(GPT_FLAGS)
+
 export: $(SETUP) ## write runs/RUN/hf/, a Hugging Face model folder, from the run's newest checkpoint (any strategy)
 	$(if $(RUN),,$(error make export needs RUN=<run folder name under $(RUNS)/>))
-	$(PY) hf_export.py $(RUNS)/$(RUN)
+	$(PY) hf_export.py $(RUNS)/$(RUN) $(ARGS)
 
 plan: $(SETUP) ## predict memory, step time, traffic and days (MODEL STRATEGY DEVICES NODES CLUSTER TOKENS SEARCH=1 PLAN_JSON)
 	$(PY) fabric_gpt.py --plan $(GPT_FLAGS)

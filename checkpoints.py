@@ -238,14 +238,20 @@ class Checkpoints:
         """Checkpoints newer than the one resumed belong to a branch this run no longer follows; moved
         aside (not deleted), so they neither outrank new saves in pruning nor get picked by `auto`."""
         if fabric.global_rank == 0:
-            newer = [p for p in self.complete() if step_of(p) > step_of(loaded)]
-            if newer:
-                aside = self.folder / f"abandoned-{datetime.now():%Y%m%d-%H%M%S}"
-                aside.mkdir(parents=True, exist_ok=True)
-                for p in newer:
-                    os.replace(p, aside / p.name)
-                fabric.print(f"moved {len(newer)} newer checkpoint(s) of the abandoned branch to {aside}")
+            aside = self.set_aside([p for p in self.complete() if step_of(p) > step_of(loaded)], "abandoned")
+            if aside:
+                fabric.print(f"moved the newer checkpoint(s) of the abandoned branch to {aside}")
         fabric.barrier()
+
+    def set_aside(self, checkpoints: list[Path], why: str) -> Path | None:
+        """Move checkpoints into <folder>/<why>-<time>/ (kept, never deleted; no longer found by resume)."""
+        if not checkpoints:
+            return None
+        aside = self.folder / f"{why}-{datetime.now():%Y%m%d-%H%M%S}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for p in checkpoints:
+            os.replace(p, aside / p.name)
+        return aside
 
 
 def checkpoint_folder(resume: str) -> Path:

@@ -41,7 +41,6 @@ from layout import STRATEGIES, check_sizes, layout
 from ranks import check_launcher, launch, take_fabric_run_settings
 from run_state import Progress, Run, exits, find_run
 from step_watch import LossWatch, StepTimer
-from stops import StopRequest
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 
@@ -130,6 +129,8 @@ class Config:
     requeue_signal: str = requeue_flag()
     export: bool = opt(False, "at the end, write runs/<run>/hf/: a Hugging Face model folder, whatever the strategy",
                        runtime=True)
+    export_dtype: str = opt("auto", "--export's weights (auto: the training dtype, bfloat16 for bf16 runs)",
+                            ("auto", "float32", "bfloat16", "float16"), runtime=True)
 
 
 def resolve(cfg: Config) -> Config:
@@ -175,8 +176,8 @@ def _prepared(text: str, tokenizer: str, vocab_size: int, data_dir: str) -> "tex
 
 
 def bpe_target(cfg: Config) -> int:
-    """The vocabulary bpe is trained for: --vocab-size, else the preset's, at least 512."""
-    return cfg.vocab_size or max(PRESETS[cfg.model][4], 512)
+    """The vocabulary bpe is trained for: --vocab-size, else the one `make text TOKENIZER=bpe` prepares."""
+    return cfg.vocab_size or text_corpus.BPE_VOCAB
 
 
 def prepared_text(cfg: Config) -> "text_corpus.Prepared":
@@ -204,10 +205,11 @@ def make_dataset(cfg: Config):
     return TensorDataset(tokens)
 
 
-def make_val_dataset(cfg: Config):
-    """--eval-batches global batches of fixed validation windows (from the last 10% of the corpus)."""
+def make_eval_dataset(cfg: Config, split: str):
+    """--eval-batches global batches of fixed windows of a split, the validation loss's (the corpus's last 10%) or the
+    training loss's estimate in eval mode (as nanoGPT's estimate_loss: comparable with it under dropout)."""
     count = cfg.eval_batches * samples_per_step(cfg)
-    return text_corpus.Windows(prepared_text(cfg), "val", cfg.seq_len, count, cfg.seed + 1)
+    return text_corpus.Windows(prepared_text(cfg), split, cfg.seq_len, count, cfg.seed + (1 if split == "val" else 2))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -319,11 +321,11 @@ def step_pipeline(run: Run, model, optimizer, micro_batches, schedule) -> tuple[
     return loss, norm, False  # 16-mixed is refused under pp: no loss scaler
 
 
-def evaluate(run: Run, model, val_loader, schedule=None) -> float:
-    """The mean loss over the fixed validation windows, in eval mode without gradients, under any strategy (each
-    data-parallel rank takes its share; a pipeline runs the windows through its stages)."""
+def evaluate(run: Run, model, loader, schedule=None) -> float:
+    """The mean loss over fixed windows, in eval mode without gradients, under any strategy (each data-parallel rank
+    takes its share; a pipeline runs the windows through its stages)."""
     fabric, cfg = run.fabric, run.cfg
-    batches, total = iter(val_loader), torch.zeros((), device=fabric.device)
+    batches, total = iter(loader), torch.zeros((), device=fabric.device)
     model.eval()
     with torch.no_grad():
         for _ in range(cfg.eval_batches):
@@ -347,10 +349,10 @@ def train(run: Run, model, optimizer, loader, take_step, flops: dict, evaluate_n
     """Optimizer steps of --grad-accum micro-batches each, from progress.step to the step this command stops at, as
     nanoGPT's loop: the step's learning rate, its micro-batches, the step; then at a check point (a log line, an
     evaluation, a checkpoint, a stop) what the steps since the last one left on the device, read in one transfer.
-    `evaluate_now()` (a text run's validation loss) runs every --eval-every steps and at the end."""
+    `evaluate_now()` (a text run's validation and training losses in eval mode) runs every --eval-every steps and at
+    the end."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
-    total_steps, stop_at = schedule_steps(cfg)
-    tokens_per_step = samples_per_step(cfg) * cfg.seq_len
+    total_steps, stop_at = progress.schedule_steps, schedule_steps(cfg)[1]  # the schedule the run started with
     batches = itertools.islice(iter(loader), progress.step * cfg.grad_accum, None)
     timer, watch, probes = StepTimer(fabric.device), LossWatch(fabric, cfg.precision), gpt_figures.StepProbes(cfg, stop_at)
     timed_time, timed_steps, step_time = 0.0, 0, 0.0
@@ -381,15 +383,18 @@ def train(run: Run, model, optimizer, loader, take_step, flops: dict, evaluate_n
             loss_value = mean_loss(fabric, cfg, last.loss)
             progress.losses.append([step, loss_value])
             progress.grad_norms.append([step, last.norm])
-            log_step(run, step, stop_at, loss_value, last.norm, step_time, tokens_per_step, flops, skipped)
+            log_step(run, step, stop_at, loss_value, last.norm, step_time, flops, skipped)
         if eval_due:
-            val = evaluate_now()
+            val, train_eval = evaluate_now()
             progress.val_losses.append([step, val])
-            run.logger.log_metrics({"val/loss": val}, step=step)
-            fabric.print(f"step {step:>4}/{stop_at} | val loss {val:.4f} over {cfg.eval_batches} x "
-                         f"{samples_per_step(cfg)} fixed windows")
+            progress.train_losses_eval.append([step, train_eval])
+            run.logger.log_metrics({"val/loss": val, "train/loss_eval": train_eval}, step=step)
+            fabric.print(f"step {step:>4}/{stop_at} | val loss {val:.4f} | train loss {train_eval:.4f} (eval mode; "
+                         f"{cfg.eval_batches} x {samples_per_step(cfg)} fixed windows each)")
+            stopping = stopping or run.stop.requested(fabric)[0]  # a signal during it: stop at this step
         if save_due or stopping:
             run.save(step)
+            stopping = stopping or (step < stop_at and run.stop.requested(fabric)[0])  # during the save: this one
         if stopping:
             raise run.stopped()
     return {"timed_time_s": timed_time, "timed_steps": timed_steps, "comms": probes.comms,
@@ -406,14 +411,16 @@ def mean_loss(fabric, cfg: Config, loss) -> float:
 
 
 # ----------------------------------------------------------------------------- output
-def log_step(run: Run, step, stop_at, loss, norm, step_time, tokens_per_step, flops, skipped=False) -> None:
-    fabric = run.fabric
-    tokens_s = tokens_per_step / step_time
+def log_step(run: Run, step, stop_at, loss, norm, step_time, flops, skipped=False) -> None:
+    fabric, cfg = run.fabric, run.cfg
+    samples_s = samples_per_step(cfg) / step_time
+    tokens_s = samples_s * (cfg.seq_len - 1)  # the tokens trained on: a window predicts its next seq_len - 1
+    tflops = flops["standard"] * samples_s * cfg.seq_len / fabric.world_size / 1e12  # the model runs every position
     metrics = {"train/loss": loss, "train/grad_norm": norm, "perf/step_time_s": step_time, "perf/tokens_per_s": tokens_s,
-               "perf/tflops_per_device": flops["standard"] * tokens_s / fabric.world_size / 1e12}
+               "perf/tflops_per_device": tflops}
     run.logger.log_metrics(metrics, step=step)
     fabric.print(f"step {step:>4}/{stop_at} | loss {loss:.4f} | grad norm {norm:.3f} | {1e3 * step_time:8.1f} ms | "
-                 f"{tokens_s:,.0f} tok/s | {metrics['perf/tflops_per_device']:.3f} TFLOPS/device"
+                 f"{tokens_s:,.0f} tok/s | {tflops:.3f} TFLOPS/device"
                  + (" | skipped: gradients overflowed the fp16 loss scale, which is now halved" if skipped else ""))
 
 
@@ -469,13 +476,14 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> dict:
-    with exits(strategies.PlacementError):  # an expected failure is one line `error: ...`
+    with exits(strategies.PlacementError) as stop:  # an expected failure is one line `error: ...`
         cfg = parse_args(argv)
         validate(cfg)
         if cfg.plan or cfg.search:
             return perf_model.plan(cfg)
-        if (finished := find_run(cfg, "gpt", reached_its_end)) is not None:
+        if (finished := find_run(cfg, "gpt", reached_its_end, text_identity(cfg))) is not None:
             return finished  # --resume auto of a run that already reached its end: nothing to train
+        stop.listen(cfg.requeue_signal)  # from here a signal saves and stops the run, or lets its record finish
         on_gpu = uses_gpu(cfg.accelerator)
         fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                         strategy=strategies.make_strategy(cfg, on_gpu), **fabric_precision(cfg, on_gpu))
@@ -487,17 +495,17 @@ def main(argv=None) -> dict:
         model, optimizer, setup_peak = setup_model(fabric, cfg)
         loader = fabric.setup_dataloaders(DataLoader(make_dataset(cfg), batch_size=cfg.micro_batch_size))
         take_step, evaluate_now = steps_of_the_strategy(fabric, cfg, model)
-        progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0, skipped_steps=0, val_losses=[])
+        progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0, skipped_steps=0, val_losses=[],
+                            train_losses_eval=[], schedule_steps=schedule_steps(cfg)[0])
         # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state is the whole model)
         state = {"model": strategies.local_module(model, cfg) if layout(cfg).pipeline else model,
                  "optimizer": optimizer, "progress": progress}
-        run = Run(fabric, cfg, "gpt", state, check_config=lambda saved: check_resume(saved, cfg),
+        run = Run(fabric, cfg, "gpt", state, stop, check_config=lambda saved: check_resume(saved, cfg),
                   per_rank_checkpoints=layout(cfg).pipeline, identity=text_identity(cfg))
         run.start()  # resume from the newest good checkpoint, or start
         announce(run, n_params, peak, attn)
-        with StopRequest(cfg.requeue_signal) as run.stop:
-            timing = train(run, model, optimizer, loader, take_step, accounting.flops_per_token(cfg, n_params),
-                           evaluate_now and functools.partial(evaluate_now, run))
+        timing = train(run, model, optimizer, loader, take_step, accounting.flops_per_token(cfg, n_params),
+                       evaluate_now and functools.partial(evaluate_now, run))
         record = gpt_figures.measured(fabric, cfg, timing, n_params, plan, progress, peak)
         held = accounting.held_bytes(strategies.local_module(model, cfg), optimizer)
         record.update(gpt_figures.beside_the_plan(fabric, cfg, record, timing, n_params, held, setup_peak, host))
@@ -506,7 +514,7 @@ def main(argv=None) -> dict:
                       "whole on every rank")
         if cfg.export:
             record["exported_to"] = export(fabric, cfg, model, run.dir)
-        record = run.finish(record)
+        record = run.finish(record, trained=timing["steps_here"] > 0)
     gpt_figures.print_summary(fabric, record)
     return record
 
@@ -543,8 +551,9 @@ def steps_of_the_strategy(fabric: Fabric, cfg: Config, model):
         take_step = functools.partial(step_pipeline, schedule=schedule)
     if cfg.dataset != "text":
         return take_step, None
-    val_loader = fabric.setup_dataloaders(DataLoader(make_val_dataset(cfg), batch_size=cfg.micro_batch_size))
-    return take_step, lambda run: evaluate(run, model, val_loader, schedule)
+    val, train = (fabric.setup_dataloaders(DataLoader(make_eval_dataset(cfg, split), batch_size=cfg.micro_batch_size))
+                  for split in ("val", "train"))
+    return take_step, lambda run: (evaluate(run, model, val, schedule), evaluate(run, model, train, schedule))
 
 
 def announce(run: Run, n_params: int, peak: tuple, attn: str) -> None:
@@ -552,7 +561,7 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str) -> None:
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
     if cfg.dataset == "text" and fabric.is_global_zero:  # the run carries its tokenizer: sample.py and hf/ read it
         text_corpus.save_tokenizer(prepared_text(cfg), run.dir)
-    total_steps, stop_at = schedule_steps(cfg)
+    total_steps, stop_at = progress.schedule_steps, schedule_steps(cfg)[1]
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
                  f"{cfg.micro_batch_size} x {cfg.grad_accum} x {layout(cfg).dp_size} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
@@ -563,7 +572,10 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str) -> None:
 def export(fabric: Fabric, cfg: Config, model, run_dir) -> str | None:
     """runs/<run>/hf/: the model gathered into one ordinary state dict on rank 0, as a Hugging Face folder."""
     state_dict = strategies.export_state_dict(fabric, model, cfg)
-    return str(hf_export.write_hf_folder(state_dict, cfg, run_dir / "hf")) if fabric.global_rank == 0 else None
+    if fabric.global_rank != 0:
+        return None
+    dtype = hf_export.export_dtype(cfg.precision, cfg.export_dtype)
+    return str(hf_export.write_hf_folder(state_dict, cfg, run_dir / "hf", dtype))
 
 
 def fabric_precision(cfg: Config, on_gpu: bool) -> dict:
@@ -604,6 +616,7 @@ def text_record(cfg: Config, progress: Progress) -> dict:
         return {}
     prepared = prepared_text(cfg)
     return {"val_losses": progress.val_losses, "val_loss": progress.val_losses[-1][1] if progress.val_losses else None,
+            "train_losses_eval": getattr(progress, "train_losses_eval", []),
             "text": {**text_identity(cfg), "corpus": prepared.corpus, "tokenizer": cfg.tokenizer,
                      "tokenizer_vocab": prepared.vocab_size, "train_tokens": prepared.train_tokens,
                      "val_tokens": prepared.val_tokens}}
@@ -611,7 +624,11 @@ def text_record(cfg: Config, progress: Progress) -> dict:
 
 def check_resume(saved: dict, cfg: Config) -> None:
     """The number of processes must stay (it shards the checkpoint and sets the global batch); how they are laid
-    out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime)."""
+    out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime). A text
+    run extends: more windows (what a larger --steps asks for) continue the same ones, at the rate its schedule ended
+    with (its checkpoint keeps the schedule it started with)."""
+    if cfg.dataset == "text" and saved.get("dataset") == "text" and cfg.num_samples > saved.get("num_samples", 0):
+        saved["num_samples"] = cfg.num_samples  # compared as equal: text_corpus.Windows draws a longer prefix
     was, now = layout(SimpleNamespace(**saved)).world, layout(cfg).world
     if now == was:
         return

@@ -32,7 +32,6 @@ from layout import layout
 from ranks import check_launcher, launch, take_fabric_run_settings
 from run_state import Progress, Run, exits, find_run
 from step_watch import LossWatch, StepTimer, progress_bar
-from stops import StopRequest
 
 ACTIVATIONS = ("relu", *(f"gelu_{impl}" for impl in IMPLS))  # gelu_torch: F.gelu; gelu_py, gelu_cpp: gelu_ext/
 STRATEGIES = ("auto", "ddp", "dp")
@@ -217,7 +216,10 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
         fold_losses(run, losses, timer)  # the epoch's last steps
         speed = {"epoch_time_s": progress.train_time_s - epoch_start_time, "seen": seen, "data_wait": data_wait}
         result = end_epoch(run, model, test_tensors, epoch, speed, epoch_steps)
-    return result
+        more = progress.epoch < cfg.epochs and not reached_max_steps(progress, cfg)
+        if more and run.stop.requested(fabric)[0]:  # a signal during the epoch's evaluation or save: stop there
+            raise run.stopped()
+    return result or evaluate(fabric, model, test_tensors)  # nothing left to train: the checkpoint's own scores
 
 
 def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tensors) -> bool:
@@ -235,8 +237,10 @@ def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tenso
             run.logger.log_metrics({"train/loss": loss, "train/lr": run.state["scheduler"].get_last_lr()[0]}, step=step)
     if eval_due:
         log_eval(run, evaluate(fabric, model, test_tensors), progress.epoch, step, progress.train_time_s)
-    if save_due:
+        stopping = stopping or run.stop.requested(fabric)[0]  # a signal during it: stop at this step
+    if save_due or stopping:
         run.save(step)
+        stopping = stopping or run.stop.requested(fabric)[0]  # during the save: that checkpoint is the stop's
     if stopping:
         raise run.stopped()
     return last
@@ -389,11 +393,12 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> dict:
-    with exits(GeluBuildError, datasets_local.MNISTError):  # an expected failure is one line `error: ...`
+    with exits(GeluBuildError, datasets_local.MNISTError) as stop:  # an expected failure is one line `error: ...`
         cfg = parse_args(argv)
         probe = validate(cfg)
         if (finished := find_run(cfg, "lenet", reached_its_end)) is not None:
             return finished  # --resume auto of a run that already reached its end: nothing to train
+        stop.listen(cfg.requeue_signal)  # from here a signal saves and stops the run, or lets its record finish
         keep_freed_memory_in_heap()
         fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                         strategy=cfg.strategy, precision=cfg.precision)
@@ -408,21 +413,24 @@ def main(argv=None) -> dict:
         model, optimizer = fabric.setup(model, optimizer)
         progress = Progress(epoch=0, step_in_epoch=0, global_step=0, loss_sum=0.0, loss_count=0,
                             train_time_s=0.0, history=[])
-        run = Run(fabric, cfg, "lenet", dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress))
+        run = Run(fabric, cfg, "lenet", dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress),
+                  stop)
         fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
         if fabric.device.type != "cuda" and (graphs := cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device)):
             fabric.print(f"CUDA graphs: {graphs}")  # on a GPU: known after a step
         run.start()  # resume from the newest good checkpoint, or start
-        first_epoch_here = progress.epoch
+        if cfg.resume:
+            fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
+        first_epoch_here, first_step_here = progress.epoch, progress.global_step
         # in-memory data lives where the model does (on a GPU 190 MB, moved once): a step copies nothing from the host
         on_device = lambda tensors: tuple(t.to(fabric.device) for t in tensors)  # noqa: E731
         data = (train_set, on_device(test_set.tensors()),
                 on_device(train_set.tensors()) if cfg.data == "memory" else None)
-        with StopRequest(cfg.requeue_signal) as run.stop:
-            result = train(run, model, optimizer, scheduler, data)
+        result = train(run, model, optimizer, scheduler, data)
         record = lenet_figures.summarize(fabric, cfg, result, progress, len(train_set), first_epoch_here, compute,
                                          probe)
-        summary = run.finish(record, {f"hparams/{k}": result[k] for k in ("test_acc", "test_loss")})
+        summary = run.finish(record, {f"hparams/{k}": result[k] for k in ("test_acc", "test_loss")},
+                             trained=progress.global_step > first_step_here)
     lenet_figures.print_summary(fabric, summary)
     return summary
 

@@ -191,15 +191,20 @@ def writable_parent(path: Path) -> bool:
     return False
 
 
-def writable(folder: Path) -> bool:
-    """A file can be made in `folder` (tried, and removed at once: access() says yes to root on /proc)."""
-    import tempfile
+PSEUDO_FILESYSTEMS = ("/proc", "/sys")  # the kernel's: nothing a run writes can be made there
 
+
+def writable(folder: Path) -> bool:
+    """A file could be made in `folder`, judged without making one (parsing flags leaves nothing on disk): this user
+    may add entries to it (access(); root passes that everywhere), its filesystem is not mounted read-only, and it is
+    not one of the kernel's pseudo filesystems, where access() says yes to root and creating a file still fails."""
     try:
-        with tempfile.TemporaryFile(dir=folder):
-            return True
+        if not os.access(folder, os.W_OK | os.X_OK) or os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return False
+        resolved = folder.resolve()
     except OSError:
         return False
+    return not any(resolved == Path(p) or Path(p) in resolved.parents for p in PSEUDO_FILESYSTEMS)
 
 
 def number(kind=float, **bounds) -> Number:

@@ -65,11 +65,13 @@ def measured(fabric, cfg, timing: dict, n_params: int, plan: dict, progress, pea
     steps, seconds = timing["timed_steps"], timing["timed_time_s"]
     lay = layout(cfg)
     flops = accounting.flops_per_token(cfg, n_params)
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * lay.dp_size * cfg.seq_len
+    samples_per_step = cfg.micro_batch_size * cfg.grad_accum * lay.dp_size
     # None (null in record.json) when every step of the run was warm-up: not timed, rather than NaN
     step_time = seconds / steps if steps else None
-    tokens_s = tokens_per_step / step_time if steps else None
-    per_device = lambda f: f * tokens_s / fabric.world_size / 1e12 if steps else None  # noqa: E731
+    samples_s = samples_per_step / step_time if steps else None
+    tokens_s = samples_s * (cfg.seq_len - 1) if steps else None  # trained on: a window predicts its next seq_len - 1
+    # FLOPs per token times every position the model runs, per device
+    per_device = lambda f: f * samples_s * cfg.seq_len / fabric.world_size / 1e12 if steps else None  # noqa: E731
     peak_flops, peak_source = peak
     return {
         "model": cfg.model, "n_params": n_params, "strategy": cfg.strategy, "precision": cfg.precision,
@@ -78,7 +80,7 @@ def measured(fabric, cfg, timing: dict, n_params: int, plan: dict, progress, pea
         "device_name": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else cpu_name(),
         "steps": progress.step, "timed_steps": steps, "step_time_s": step_time,
         "train_time_s": progress.train_time_s, "tokens_per_s": tokens_s,
-        "samples_per_s": tokens_s / cfg.seq_len if steps else None, "timing_warmup": cfg.timing_warmup,
+        "samples_per_s": samples_s, "timing_warmup": cfg.timing_warmup,
         "tflops_per_device": per_device(flops["standard"]), "tflops_per_device_8n": per_device(flops["course_8n"]),
         "mfu": per_device(flops["standard"]) * 1e12 / peak_flops if peak_flops and steps else None,
         "peak_flops": peak_flops, "peak_flops_source": peak_source,

@@ -24,18 +24,22 @@ PRESETS = {
     "1.6b": (1600, 48, 32, 1024, 50257),  # the course's table: hidden 1600, 32 heads, 48 layers, seq 1024
 }
 
-def gpt2_config(cfg, attention: str | None = None):
+
+
+def gpt2_config(cfg, attention: str | None = None, end_of_text: int | None = None):
     """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache), with the attention the run
-    computes (attention_implementation) unless `attention` names one."""
+    computes (attention_implementation) unless `attention` names one. `end_of_text`: the tokenizer's <|endoftext|>
+    id, the folder's bos/eos (training reads neither; a run without a tokenizer has the last id)."""
     from transformers import GPT2Config
 
+    eot = cfg.vocab_size - 1 if end_of_text is None else end_of_text
     # GPT-2's tanh GELU as one kernel: the same function as gelu_new, whose eight elementwise ops took 15% of a CPU
     # step of the nanoGPT recipe (python bench.py text) and saved 12 of a block's 112 bytes per element for backward
     return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
                       activation_function="gelu_pytorch_tanh",
                       vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=cfg.vocab_size - 1,
-                      eos_token_id=cfg.vocab_size - 1, attn_implementation=attention or attention_implementation(cfg))
+                      attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=eot, eos_token_id=eot,
+                      attn_implementation=attention or attention_implementation(cfg))
 
 
 SDPA_FLOAT32 = "sdpa_float32"

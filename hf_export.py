@@ -5,8 +5,10 @@
     python fabric_gpt.py ... --export       # at the end of a run, from the live model
 
 runs/<run>/hf/ holds config.json, generation_config.json and model.safetensors (sharded with an index file above
-2 GB, as save_pretrained writes it), and a text run's tokenizer; `AutoModelForCausalLM.from_pretrained("runs/<run>/hf")`
-(and `AutoTokenizer`) load it. Sharded
+2 GB, as save_pretrained writes it) in the run's training dtype (--dtype), and a text run's tokenizer saved by
+transformers' PreTrainedTokenizerFast (<|endoftext|> its eos and pad token, the run's sequence its model_max_length);
+`AutoModelForCausalLM.from_pretrained("runs/<run>/hf")`, `AutoTokenizer` and `pipeline("text-generation")` load it.
+Sharded
 checkpoints (ZeRO, FSDP2, tensor and pipeline parallel) are gathered into one ordinary state dict in one process
 (strategies.export_checkpoint); the weights are written from that dict itself, never copied into a second model.
 """
@@ -23,16 +25,32 @@ import gpt_model
 SHARD = "2GB"  # save_pretrained's shards: serializing one holds its bytes once more, so small ones keep the peak low
 
 
-def write_hf_folder(state_dict: dict, cfg, folder) -> Path:
-    """Write `state_dict` (GPT2LMHeadModel keys, any dtype) for a run of `cfg`'s shape as a Hugging Face folder,
-    atomically: written under `<folder>.partial` and renamed."""
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(precision: str, asked: str = "auto") -> torch.dtype:
+    """The dtype of the folder's weights: the run's training dtype unless asked otherwise (bf16-mixed and bf16-true:
+    bfloat16, 16-mixed: float16, 32-true: float32)."""
+    if asked != "auto":
+        return EXPORT_DTYPES[asked]
+    return torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
+
+
+def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.float32) -> Path:
+    """Write `state_dict` (GPT2LMHeadModel keys, any dtype) for a run of `cfg`'s shape as a Hugging Face folder in
+    `dtype`, with the run's tokenizer (runs/<run>/tokenizer.json) where it has one. Written under `<folder>.partial`;
+    an existing folder is kept as `<folder>.previous` until the new one is in place (replace_folder)."""
     from transformers import GenerationConfig, GPT2LMHeadModel
 
     folder = Path(folder)
-    config = gpt_model.gpt2_config(cfg, attention="sdpa")  # what any transformers loads (float32 attention is ours)
+    tokenizer = run_tokenizer(folder.parent, cfg)
+    end_of_text = tokenizer.eos_token_id if tokenizer is not None else None
+    config = gpt_model.gpt2_config(cfg, attention="sdpa", end_of_text=end_of_text)  # float32 attention is ours
     config.use_cache = True  # training turns the KV cache off; generation wants it
+    config.pad_token_id = config.eos_token_id
     with torch.device("meta"):  # no weights of its own: it takes the dict's tensors (assign), never a copy
         model = GPT2LMHeadModel(config)
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the token embedding
         raise ValueError(f"the state dict is not this GPT-2's: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
@@ -42,16 +60,42 @@ def write_hf_folder(state_dict: dict, cfg, folder) -> Path:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, max_shard_size=SHARD, safe_serialization=True)
-    tokenizer = folder.parent / "tokenizer.json"  # a text run's (runs/<run>/tokenizer.json): AutoTokenizer loads it
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, partial / "tokenizer.json")
-        (partial / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}\n')
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
+    replace_folder(partial, folder)
     return folder
 
 
-def export_run(run_dir) -> Path:
+def run_tokenizer(run_dir: Path, cfg):
+    """A text run's tokenizer as transformers' own fast tokenizer: <|endoftext|> its eos, bos and pad token, and the
+    run's sequence length its model_max_length (generation then cuts a longer prompt instead of failing). None for
+    a run without one (random tokens)."""
+    path = run_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    import text_corpus
+
+    eot = text_corpus.END_OF_TEXT
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot, pad_token=eot,
+                                   model_max_length=cfg.seq_len, truncation_side="left", padding_side="left")
+
+
+def replace_folder(new: Path, folder: Path) -> None:
+    """`new` becomes `folder`; the folder it replaces is renamed aside first and deleted only once the new one is in
+    place, so an interruption leaves a complete folder under one of the two names (the next export puts it back)."""
+    previous = folder.with_name(folder.name + ".previous")
+    if previous.exists() and not folder.exists():  # an earlier export stopped between the renames
+        previous.rename(folder)
+    shutil.rmtree(previous, ignore_errors=True)
+    if folder.exists():
+        folder.rename(previous)
+    new.rename(folder)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def export_run(run_dir, dtype: str = "auto") -> Path:
     """The newest complete checkpoint of a run, whatever its strategy, as runs/<run>/hf/."""
     import json
 
@@ -70,23 +114,26 @@ def export_run(run_dir) -> Path:
     if getattr(cfg, "nvme_path", ""):  # DeepSpeed's NVMe-offload checkpoint keeps empty placeholders for the states
         raise ValueError(f"{newest} is an NVMe-offload checkpoint, whose weights DeepSpeed keeps in the NVMe folder and "
                          f"cannot read back from the checkpoint; export such a run at its end with --export")
-    folder = write_hf_folder(strategies.export_checkpoint(newest), cfg, run_dir / "hf")
+    folder = write_hf_folder(strategies.export_checkpoint(newest), cfg, run_dir / "hf",
+                             export_dtype(cfg.precision, dtype))
     print(f"exported {newest} to {folder}: load it with AutoModelForCausalLM.from_pretrained({str(folder)!r})")
     return folder
 
 
 def build_parser():
-    from flags import Folder, Parser
+    from flags import Folder, Parser, choice
 
     parser = Parser(description=__doc__, prog="hf_export.py")
     parser.add_argument("run", type=Folder(create=False), help="a GPT-2 run folder with a checkpoint (runs/<run>)")
+    parser.add_argument("--dtype", default="auto", type=choice(("auto", *EXPORT_DTYPES)), help="the weights' dtype "
+                        "(default: auto, the run's training dtype: bfloat16 for bf16 runs, float16 for 16-mixed)")
     return parser
 
 
 def main(argv=None) -> Path:
     args = build_parser().parse_args(argv)
     try:
-        return export_run(args.run)
+        return export_run(args.run, args.dtype)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 

@@ -145,7 +145,7 @@ def get_lr(it: int, r: Recipe) -> float:
 
 @torch.no_grad()
 def val_loss(model, windows, batch_size: int) -> float:
-    """Mean loss over fabric_gpt.py's fixed validation windows, each predicting its next seq_len - 1 tokens."""
+    """Mean loss over fabric_gpt.py's fixed validation windows of block_size + 1 tokens, block_size predictions each."""
     model.eval()
     losses = []
     for i in range(0, len(windows), batch_size):
@@ -205,7 +205,8 @@ def main(argv=None) -> None:
     r = Recipe(max_iters=args.max_iters, lr_decay_iters=args.max_iters)
     try:
         prepared = text_corpus.prepare("", "char", 0, args.data_dir)
-        windows = text_corpus.Windows(prepared, "val", r.block_size, args.eval_windows, args.eval_seed)
+        # fabric_gpt.py's windows of block_size + 1 tokens: x, y one apart, block_size predictions each
+        windows = text_corpus.Windows(prepared, "val", r.block_size + 1, args.eval_windows, args.eval_seed)
     except text_corpus.TextError as e:
         raise SystemExit(f"error: {e}") from None
     record = train(prepared, r, windows, args.timing_warmup)

@@ -464,14 +464,16 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     measured = cpu_step(cfg, cluster, n_params, cluster.probe == "measure") if cluster.probe else None
     if measured:
         step = measured["step_time_s"]
-    tokens_per_step = cfg.micro_batch_size * m * lay.dp_size * cfg.seq_len
+    samples_per_step = cfg.micro_batch_size * m * lay.dp_size
+    tokens_per_step = samples_per_step * (cfg.seq_len - 1)  # trained on: a window predicts its next seq_len - 1 tokens
     tokens_s = tokens_per_step / step
     world = lay.world
     model_flops = accounting.flops_per_token(cfg, n_params)["standard"]
     out = {"cluster": cluster.name, "device": cluster.device, "peak_flops": peak, "efficiency": cluster.efficiency,
            "step_time_s": step, "compute_s": compute, "comm_s": comm_s, "comm_exposed_s": exposed, "bubble_s": bubble,
            "offload_s": offload, "offload": offload_parts, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_s,
-           "mfu": model_flops * tokens_s / ((1 if cluster.shared_cores else world) * peak), "comm": comm,
+           "mfu": model_flops * samples_per_step * cfg.seq_len / step / ((1 if cluster.shared_cores else world) * peak),
+           "comm": comm,
            "comm_bytes": sum(r["bytes"] * r["count"] for r in comm), "cpu_step": measured}
     if tokens:
         out.update(tokens=tokens, train_days=tokens / tokens_s / 86400, device_hours=tokens / tokens_s / 3600 * world)

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 import flags
-from checkpoints import (RECORD, STEP_DIR, Checkpoints, DiskFull, ResumeError, checkpoint_folder, disk_full,
-                         read_record, write_json_atomic)
+from checkpoints import (RECORD, STEP_DIR, Checkpoints, DiskFull, ResumeError, checkpoint_folder, damaged_files,
+                         disk_full, read_record, write_json_atomic)
 from flags import ConfigError
 from hardware import cpu_name
 from ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
@@ -67,10 +67,12 @@ class Progress:
 def exits(*errors):
     """Around a script's main(): every expected failure (bad settings, a checkpoint that cannot be used, a non-finite
     loss, a full disk, and the script's own `errors`) ends in one line `error: ...` and exit 1, a lost peer in one
-    line naming it, and a clean stop in 128 + the signal number (0 for a SLURM requeue)."""
+    line naming it, and a clean stop in 128 + the signal number (0 for a SLURM requeue). Yields the run's
+    StopRequest: once main() calls its listen(), a signal saves and stops the run (stops.py)."""
     PeerWatch.current = None
+    stop = StopRequest()
     try:
-        yield
+        yield stop
     except (ConfigError, ResumeError, NonFiniteLoss, DiskFull, *errors) as e:
         sys.exit(f"error: {e}")
     except RuntimeError as e:  # a collective whose peer died
@@ -86,15 +88,18 @@ def exits(*errors):
                  f"output above, and resume from the last complete checkpoint with --resume auto")
     except Stopped as e:
         sys.exit(e.exit_code)
+    finally:
+        stop.close()
 
 
 # ----------------------------------------------------------------------------- which run
-def find_run(cfg, kind: str, finished) -> dict | None:
+def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | None:
     """The run this command means, decided by every rank from the same files before any rank writes: a new one
     (never into an earlier run's folder), one to continue (--resume: its folder's name goes into cfg.run_name), or,
-    for --resume auto of a run whose record shows it already reached what cfg asks for (`finished(record, cfg)`),
-    that record, returned so that a requeued job that finished does not train twice."""
-    if cfg.resume == "auto" and (done := resume_or_start(cfg, kind, finished)) is not None:
+    for --resume auto of a run whose record shows the same experiment (`identity`: what it trained on beside its
+    flags) already reached what cfg asks for (`finished(record, cfg)`), that record, returned so that a requeued job
+    that finished does not train twice."""
+    if cfg.resume == "auto" and (done := resume_or_start(cfg, kind, finished, identity or {})) is not None:
         return done
     if cfg.resume and not cfg.run_name:
         cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
@@ -112,7 +117,8 @@ def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
     if not runs:
         raise ResumeError(f"--resume auto: no {kind} run with a checkpoint under {out_dir}/. "
                           "Fix: start a run without --resume, or pass --run-name of a run that has one.")
-    return max(runs, key=lambda p: max(c.stat().st_mtime for c in (p / "checkpoints").iterdir())).name
+    newest = lambda run: max(c.stat().st_mtime for c in (run / "checkpoints").iterdir() if STEP_DIR.match(c.name))  # noqa: E731
+    return max(runs, key=newest).name  # by its checkpoints alone: a folder set aside (abandoned-*) is not one
 
 
 def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str,
@@ -140,8 +146,8 @@ class Run:
     TensorBoard logger, resume (or a clear refusal), checkpoints, clean stops and the final record.
     train() receives this object as its context."""
 
-    def __init__(self, fabric, cfg, kind: str, state: dict, check_config=None, per_rank_checkpoints: bool = False,
-                 identity: dict | None = None):
+    def __init__(self, fabric, cfg, kind: str, state: dict, stop: StopRequest, check_config=None,
+                 per_rank_checkpoints: bool = False, identity: dict | None = None):
         from lightning.fabric.loggers import TensorBoardLogger
 
         self.fabric, self.cfg, self.kind, self.state = fabric, cfg, kind, state
@@ -155,7 +161,7 @@ class Run:
         self.logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
         self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints)
         self.last_checkpoint: Path | None = None
-        self.stop: StopRequest | None = None
+        self.stop = stop  # requested() at step boundaries; its signal names the stop
         fabric.print(f"config: {self.config()}")
 
     def config(self) -> dict:
@@ -169,6 +175,8 @@ class Run:
                     f"{cfg.run_name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         if fabric.global_rank == 0:
             self.ckpts.clean_partial()
+            if not cfg.resume:  # started over in a folder whose checkpoints are all damaged (resume_or_start)
+                self.ckpts.set_aside(self.ckpts.complete(), "damaged")
         fabric.barrier()
         if cfg.resume:
             def check(saved):
@@ -199,21 +207,31 @@ class Run:
                 if last else "no checkpoint was complete: start the run again")
 
     def stopped(self) -> Stopped:
-        """After a signal: the checkpoint is saved; say how to continue (in a SLURM job asked to requeue, requeue it
-        first: rank 0, once) and return the exception to raise."""
-        name = self.stop.signal_name if self.stop else "SIGINT"
+        """After a signal: the checkpoint is saved and the logger flushed; say how to continue (in a SLURM job asked to
+        requeue, requeue it first: rank 0, once; every rank then exits as SLURM took it) and return the exception."""
+        name = self.stop.signal_name or "SIGINT"
         resume = f"--resume auto --run-name {self.cfg.run_name}"
-        if self.stop and self.stop.requeue:
-            said = requeue_slurm_job(resume) if self.fabric.is_global_zero else ""
+        if self.fabric.is_global_zero:
+            self.logger.finalize("interrupted")  # the events of the last steps on disk before the process ends
+        if self.stop.requeue:
+            requeued, said = requeue_slurm_job(resume) if self.fabric.is_global_zero else (False, "")
+            requeued = bool(self.fabric.broadcast(requeued))
             self.fabric.print(f"{name} received: saved {self.last_checkpoint}; {said}", flush=True)
-            return Stopped(name, requeued=True)
-        self.fabric.print(f"{name} received: saved {self.last_checkpoint}; resume with {resume}")
+            return Stopped(name, requeued=requeued)
+        self.fabric.print(f"{name} received: saved {self.last_checkpoint}; resume with {resume}", flush=True)
         return Stopped(name)
 
-    def finish(self, record: dict, metrics: dict | None = None) -> dict:
+    def finish(self, record: dict, metrics: dict | None = None, trained: bool = True) -> dict:
+        """Write the run's record (rank 0) and close its logger. A process that trained no step (its run had reached
+        the end already) leaves an earlier record as it is, rather than replace its figures with empty ones."""
         record = {"kind": self.kind, "run_dir": str(self.dir), **record, "config": self.config(), "env": environment()}
         if PeerWatch.current:  # from here ranks leave one by one (and rank 0 may take the store with it)
             PeerWatch.current.finish()
+        if self.stop.signal_name:  # it came after the last step: the run ends as it would have
+            self.fabric.print(f"{self.stop.signal_name} received after the last step: the record was written first")
+        if not trained and (earlier := read_record(self.dir)) is not None:
+            self.fabric.print(f"no step trained: {self.dir / RECORD} of the earlier run is kept as it is")
+            return earlier
         if self.fabric.is_global_zero:
             problem = disk_full(lambda: write_json_atomic(self.dir / RECORD, record))
             if problem:
@@ -246,7 +264,7 @@ def refuse_existing_run(cfg) -> None:
                           f"--run-name {cfg.run_name}, or start a new run with another --run-name (or remove the folder)")
 
 
-def resume_or_start(cfg, kind: str, finished) -> dict | None:
+def resume_or_start(cfg, kind: str, finished, identity: dict) -> dict | None:
     """--resume auto, set once and forgotten (as Lightning's ckpt_path="last"): continue the run when it has a
     checkpoint, start it when it has none (one line says so), and when its record says the same settings already
     reached what this command asks for, return that record: a requeued job that finished must not train twice (other
@@ -261,14 +279,41 @@ def resume_or_start(cfg, kind: str, finished) -> dict | None:
             return None
     folder = Path(cfg.out_dir) / cfg.run_name
     record = read_record(folder)
-    where = ("kind", "resume", "run_name", "out_dir")  # how the command names the run, not what it asks for
-    same = record is not None and {k: v for k, v in record.get("config", {}).items() if k not in where} == {
-        k: v for k, v in dataclasses.asdict(cfg).items() if k not in where}
-    if same and record.get("kind") == kind and finished(record, cfg):  # the same command again: a requeued job
+    if record is not None and record.get("kind") == kind and same_experiment(record.get("config", {}), cfg, kind,
+                                                                             identity) and finished(record, cfg):
         print(f"--resume auto: run {folder} has finished (its record.json holds step {record.get('steps')}); "
-              f"nothing to train", flush=True)
+              f"nothing to train", flush=True)  # the same experiment again: a requeued job, or a runtime flag changed
         return record
-    if not Checkpoints(folder / "checkpoints").complete():
+    complete = Checkpoints(folder / "checkpoints").complete()
+    if not complete:
         print(f"--resume auto: {folder} has no checkpoint yet: starting the run", flush=True)
         cfg.resume = ""
+    elif not any(readable(p) for p in complete):  # a requeued job would fail on every requeue: start over
+        print(f"--resume auto: every checkpoint of {folder} is damaged ({readable_problem(complete[-1])}): they are "
+              f"set aside under {folder}/checkpoints/damaged-<time>/ and the run starts over", flush=True)
+        cfg.resume = ""
     return None
+
+
+def same_experiment(saved: dict, cfg, kind: str, identity: dict) -> bool:
+    """An earlier run's config asked for what cfg asks for: the flags that change what a run computes (runtime
+    flags such as --log-every aside), and what it trained on beside them (a corpus and tokenizer, by content)."""
+    try:
+        check_same_experiment(saved, {"kind": kind, **dataclasses.asdict(cfg), **identity}, flags.runtime_fields(cfg),
+                              "", flags.recorded_since(cfg))
+    except ResumeError:
+        return False
+    return True
+
+
+def readable(checkpoint: Path) -> bool:
+    return readable_problem(checkpoint) is None
+
+
+def readable_problem(checkpoint: Path) -> str | None:
+    """The cheap checks a resume makes before loading: a config.json that reads, and state files not cut short."""
+    try:
+        json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{checkpoint.name}/config.json unreadable ({e})"
+    return damaged_files(checkpoint)

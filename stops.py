@@ -1,5 +1,21 @@
 """Clean stops: a signal ends the run at the next step boundary with a checkpoint, and in a SLURM job asked to
-requeue, the job is requeued so that it continues from it."""
+requeue, the job is requeued so that it continues from it.
+
+What each signal does (the handlers cover the whole run, from set-up to the record and --export):
+
+    SIGINT (Ctrl-C)       save at the next step boundary, exit 130; a second Ctrl-C stops at once (the last
+                          complete checkpoint stays: every save is atomic)
+    SIGTERM               save at the next step boundary, exit 143 (SLURM's preemption and time limit send it, then
+                          SIGKILL after the grace time); further SIGTERMs are ignored: launchers forward it (make,
+                          torchrun's agent), so a process often gets two, and the second must not cut the save
+    SIGUSR1 (--requeue-signal, or USR2)
+                          in a SLURM job (#SBATCH --signal=USR1@90): save, `scontrol requeue` the job (rank 0), exit 0;
+                          where scontrol is missing or refuses, exit 128 + the signal, so that SLURM does not record
+                          the job COMPLETED. Outside SLURM: ignored with one line (its default action kills unsaved).
+
+A signal that arrives while the run evaluates or saves is acted on as soon as that ends: the checkpoint just written
+is the stop's, with no further step. One that arrives after the last step lets the record and export finish.
+"""
 
 import os
 import shutil
@@ -11,38 +27,42 @@ from ranks import any_rank
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop stops at the next step boundary after saving. A second
-    signal of the same kind falls back to the default behaviour, so a stuck run can still be killed.
+    """The run's signal handlers: `listen(requeue_signal)` installs them (run_state.exits restores the previous ones
+    when the run ends); `requested()` says at a step boundary whether any rank was signalled."""
 
-    In a SLURM job, `requeue_signal` (SIGUSR1 unless set: what `#SBATCH --signal=USR1@90` sends before the time
-    limit or a preemption) stops the same way, and then rank 0 requeues the job (Run.stopped). Outside SLURM that
-    signal is ignored with one line: its default action would kill the run unsaved."""
+    def __init__(self):
+        self.signal_name, self.requeue, self.repeats, self.previous = None, False, 0, {}
+        self.requeue_signal = None
 
-    def __init__(self, requeue_signal: str = "USR1"):
+    def listen(self, requeue_signal: str = "USR1") -> "StopRequest":
         self.requeue_signal = None if requeue_signal == "none" else getattr(signal, "SIG" + requeue_signal)
-
-    def __enter__(self):
-        self.signal_name, self.requeue = None, False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        if self.requeue_signal is not None:
-            self.previous[self.requeue_signal] = signal.signal(self.requeue_signal, self._handle_requeue)
+        for sig in (signal.SIGINT, signal.SIGTERM, self.requeue_signal):
+            if sig is not None and sig not in self.previous:
+                self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc):
+    def close(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        self.previous = {}
 
     def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-
-    def _handle_requeue(self, signum, frame):
         name = signal.Signals(signum).name
-        if not os.environ.get("SLURM_JOB_ID"):
-            print(f"warning: {name} ignored: it asks a SLURM job to save, requeue itself and exit, and this process is "
-                  f"not in one (SLURM_JOB_ID is not set)", file=sys.stderr, flush=True)
+        if self.signal_name is not None:  # already stopping
+            if signum == signal.SIGINT:  # a person pressing Ctrl-C again: stop now
+                raise KeyboardInterrupt
+            self.repeats += 1
+            if self.repeats == 1:
+                say(f"{name} received again: ignored, the stop for {self.signal_name} is under way "
+                    "(SIGKILL ends the process at once)")
             return
-        self.signal_name, self.requeue = name, True
+        if signum == self.requeue_signal:
+            if not os.environ.get("SLURM_JOB_ID"):
+                say(f"warning: {name} ignored: it asks a SLURM job to save, requeue itself and exit, and this process "
+                    "is not in one (SLURM_JOB_ID is not set)")
+                return
+            self.requeue = True
+        self.signal_name = name
 
     def requested(self, fabric, *other_flags: bool) -> tuple[bool, ...]:
         """(any rank signalled, *any rank's other_flags), agreed by all ranks in one small all-reduce; a requeue
@@ -55,9 +75,17 @@ class StopRequest:
         return (stopping, *others)
 
 
+def say(line: str) -> None:
+    """One line to stderr from a signal handler (print's buffered stream may be mid-write in the main thread)."""
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except OSError:
+        pass
+
+
 class Stopped(Exception):
-    """Raised by train() after a clean stop has been saved; the exit code follows the shell's convention, except for
-    a SLURM requeue, which is not a failure (0)."""
+    """Raised after a clean stop has been saved; the exit code follows the shell's convention (128 + the signal),
+    except for a SLURM job requeued, which is not a failure (0)."""
 
     def __init__(self, signal_name: str, requeued: bool = False):
         super().__init__(signal_name)
@@ -65,25 +93,26 @@ class Stopped(Exception):
 
 
 def slurm_job_id() -> str:
-    """The id `scontrol requeue` takes: <array job>_<task> for a task of a job array, else the job's."""
+    """The id `scontrol requeue` takes: <array job>_<task> for a task of a job array, else the job's (Lightning's
+    signal connector builds it the same way)."""
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     return f"{array}_{task}" if array and task else os.environ["SLURM_JOB_ID"]
 
 
-def requeue_slurm_job(resume: str) -> str:
-    """`scontrol requeue <job>` (as Lightning's SLURMEnvironment does on SIGUSR1), and what happened, in one line.
-    Where scontrol is missing or refuses (a container, a cluster that forbids it) the checkpoint is saved all the
-    same: the line says how to requeue by hand."""
+def requeue_slurm_job(resume: str) -> tuple[bool, str]:
+    """`scontrol requeue <job>` (as Lightning's SLURMEnvironment does on SIGUSR1): (whether SLURM took it, one line
+    saying what happened). Where scontrol is missing or refuses (a container, a cluster that forbids it) the
+    checkpoint is saved all the same, and the line says how to requeue by hand."""
     job = slurm_job_id()
     by_hand = f"requeue it by hand with `scontrol requeue {job}`, or submit the job again: {resume}"
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        return f"scontrol is not on PATH here, so SLURM job {job} was not requeued; {by_hand}"
+        return False, f"scontrol is not on PATH here, so SLURM job {job} was not requeued; {by_hand}"
     try:
         proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
-        return f"`scontrol requeue {job}` could not run ({e}); {by_hand}"
+        return False, f"`scontrol requeue {job}` could not run ({e}); {by_hand}"
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return f"`scontrol requeue {job}` failed ({why}); {by_hand}"
-    return f"requeued SLURM job {job}: when it runs again it continues from this checkpoint ({resume})"
+        return False, f"`scontrol requeue {job}` failed ({why}); {by_hand}"
+    return True, f"requeued SLURM job {job}: when it runs again it continues from this checkpoint ({resume})"

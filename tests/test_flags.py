@@ -22,6 +22,7 @@ import lab
 import nanogpt_reference
 import report
 import sample
+import text_corpus
 from gelu_ext import __main__ as gelu_main
 
 PARSERS = {
@@ -35,6 +36,7 @@ PARSERS = {
     "datasets_local.py": datasets_local.build_parser,
     "hf_export.py": hf_export.build_parser,
     "nanogpt_reference.py": nanogpt_reference.build_parser,
+    "text_corpus.py": text_corpus.build_parser,
     "python -m gelu_ext": gelu_main.build_parser,
 }
 COMMAND_AFTER = {bench.build_parser: "gpt", gelu_main.build_parser: "check"}
@@ -227,3 +229,24 @@ def test_help_is_grouped_and_each_flag_takes_at_most_two_lines(script, monkeypat
     if script in ("fabric_gpt.py", "fabric_lenet.py"):
         groups = [g.title for g in parsers[0]._action_groups if g._group_actions]
         assert len(groups) >= 4, groups
+
+
+def test_a_flag_declares_choices_or_bounds_never_both():
+    """opt() refuses what it would otherwise drop in silence: bounds beside choices, bounds beside a check."""
+    with pytest.raises(TypeError, match="exclude each other"):
+        flags.opt("a", "a choice", ("a", "b"), min=0)
+    with pytest.raises(TypeError, match="bounds"):
+        flags.opt("x", "a folder", check=flags.Folder(), min=0)
+
+
+def test_checking_a_folder_writes_nothing_anywhere(tmp_path, monkeypatch):
+    """A folder is judged writable without a file made in it (parsing flags leaves no trace, even a passing one)."""
+    import tempfile
+
+    made = []
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda *a, **k: made.append(k) or pytest.fail("a file was made"))
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: made.append(k) or pytest.fail("a file was made"))
+    assert flags.Folder().ok(str(tmp_path)) and flags.Folder().ok(str(tmp_path / "new" / "deeper"))
+    assert not flags.Folder().ok("/proc/fabric-lab") and not flags.Folder().ok("/sys/kernel")
+    assert flags.OutFile().ok(str(tmp_path / "plan.json")) and not made
+

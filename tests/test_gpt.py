@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -437,15 +438,21 @@ def test_a_slurm_job_signalled_saves_requeues_itself_and_its_rerun_ends_as_the_w
 
 
 def test_requeue_of_an_array_task_and_without_scontrol(tmp_path):
-    """A job array's task is requeued as <array job>_<task>; where scontrol is missing (a container) the checkpoint
-    is saved all the same and one line says how to requeue by hand; the other requeue signal can be chosen."""
+    """A job array's task is requeued as <array job>_<task>; where scontrol is missing (a container) or refuses, the
+    checkpoint is saved all the same, one line says how to requeue by hand, and the exit status is the signal's, not
+    0 (SLURM would record the job COMPLETED and nothing would resubmit it); the other requeue signal can be chosen."""
     args = [*SMALL, "--num-samples", "4000", "--checkpoint-every", "200", "--out-dir", tmp_path, "--requeue-signal", "USR2"]
     array = slurm_job(tmp_path, SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="3")
     proc = signal_at_step([*args, "--run-name", "array"], array, signal.SIGUSR2, step=5)
     assert proc.returncode == 0 and (tmp_path / "scontrol.log").read_text() == "requeue 100_3\n", proc.stdout[-2000:]
     proc = signal_at_step([*args, "--run-name", "bare"], slurm_job(tmp_path, scontrol=False), signal.SIGUSR2, step=5)
-    assert proc.returncode == 0 and "scontrol is not on PATH here, so SLURM job 4242 was not requeued" in proc.stdout
+    assert proc.returncode == 128 + signal.SIGUSR2, proc.stdout[-2000:]
+    assert "scontrol is not on PATH here, so SLURM job 4242 was not requeued" in proc.stdout
     assert "`scontrol requeue 4242`" in proc.stdout and list((tmp_path / "bare" / "checkpoints").glob("step-*"))
+    refusing = slurm_job(tmp_path / "refusing")
+    (tmp_path / "refusing" / "bin" / "scontrol").write_text("#!/bin/sh\necho 'Requeue not permitted' >&2\nexit 1\n")
+    proc = signal_at_step([*args, "--run-name", "refused"], refusing, signal.SIGUSR2, step=5)
+    assert proc.returncode == 128 + signal.SIGUSR2 and "failed (Requeue not permitted)" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_sigusr1_outside_slurm_does_nothing_harmful(tmp_path):
@@ -695,49 +702,109 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path, args):
 
 
 FAKE_SRUN = """#!/bin/bash
-# srun on one host, for the test: SLURM_NTASKS tasks, each with the variables srun gives it
+# srun on one host, for the tests: SLURM_NTASKS tasks, each with the variables srun gives it and, as slurmstepd
+# starts them, in a process group of its own (its id in task<i>.pgid: where SLURM's signals go)
 while [[ $1 == -* ]]; do shift; done
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
   SLURM_PROCID=$i SLURM_LOCALID=$((i % SLURM_NTASKS_PER_NODE)) SLURM_NODEID=$((i / SLURM_NTASKS_PER_NODE)) \\
-    "$@" > "$SRUN_LOGS/task$i.log" 2>&1 &
+    setsid "$@" > "$SRUN_LOGS/task$i.log" 2>&1 &
   pids+=($!)
+  echo $! > "$SRUN_LOGS/task$i.pgid"
 done
 rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc
 """
 
 
+def sbatch_job(tmp_path, ntasks: int, settings: dict) -> dict:
+    """gpt.sbatch's environment as sbatch gives it on the first node of `--nodes <ntasks> --ntasks-per-node 1`, with
+    the stand-in srun above and a stand-in scontrol that records its arguments (slurm_job)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "31337", "SLURM_JOB_NAME": "fabric-gpt", "SLURM_JOB_NUM_NODES": str(ntasks),
+             "SLURM_NNODES": str(ntasks), "SLURM_NTASKS": str(ntasks), "SLURM_NTASKS_PER_NODE": "1",
+             "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO)}
+    env = {k: v for k, v in slurm_job(tmp_path).items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test`
+    return {**env, **slurm, **settings, "PATH": f"{bin_dir}:{env['PATH']}", "SRUN_LOGS": str(tmp_path),
+            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def signal_tasks_at(tmp_path, proc, pattern: str, sig, ntasks: int = 1, times: int = 2, timeout: float = 300) -> None:
+    """Once task 0's log matches `pattern`, send `sig` to every task's process group, `times` times in a row."""
+    deadline = time.time() + timeout
+    log = tmp_path / "task0.log"
+    while not (log.exists() and re.search(pattern, log.read_text(), re.M)):
+        assert proc.poll() is None and time.time() < deadline, f"never saw {pattern!r}: " + (
+            log.read_text()[-2000:] if log.exists() else "no log")
+        time.sleep(0.01)
+    for _ in range(times):
+        for i in range(ntasks):
+            os.killpg(int((tmp_path / f"task{i}.pgid").read_text()), sig)
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
-def test_the_slurm_batch_script_trains_on_two_nodes_as_two_processes_do(two_process, tmp_path):
+def test_the_slurm_batch_script_survives_its_signal_and_trains_on_two_nodes_as_two_processes_do(two_process, tmp_path):
     """gpt.sbatch read as SLURM reads it (one task per GPU) and run as sbatch runs it on the first node of
-    `sbatch --nodes 2 --ntasks-per-node 1`, with an srun that starts the 2 tasks here with srun's variables:
-    Fabric picks its SLURM environment with those ranks, and the run equals the 2-process run step by step."""
+    `sbatch --nodes 2 --ntasks-per-node 1`, with an srun that starts the 2 tasks here with srun's variables, each in
+    its own process group: Fabric picks its SLURM environment with those ranks. SIGUSR1 to both tasks' process groups,
+    twice in a row while they set up (as SLURM's --signal delivers it): every rank saves at its first step boundary,
+    rank 0 requeues the job once, the tasks exit 0. The job run again (requeued) continues from that checkpoint, and
+    the run equals the 2-process run step by step."""
     script = (REPO / "gpt.sbatch").read_text()
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
     assert directives["nodes"] == "1" and directives["ntasks-per-node"] == directives["gpus-per-node"] == "2"
     (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
-    assert 'make gpt NODES="$SLURM_JOB_NUM_NODES" DEVICES="$SLURM_NTASKS_PER_NODE"' in srun
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
-    slurm = {"SLURM_JOB_ID": "31337", "SLURM_JOB_NAME": "fabric-gpt", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2",
-             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "localhost",
-             "SLURM_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO)}
+    assert srun == "srun --kill-on-bad-exit=1 $command"  # the Python processes themselves: no make to die on USR1
+    assert 'gpt-command NODES="$SLURM_JOB_NUM_NODES" DEVICES="$SLURM_NTASKS_PER_NODE"' in script
     settings = {"MODEL": "tiny", "STRATEGY": "ddp", "PRECISION": "32-true", "STEPS": "0", "ACCELERATOR": "cpu",
                 "RUN": "slurm", "ARGS": " ".join(map(str, [*EXACT, *TWO_PROCESS["ddp"], "--out-dir", tmp_path]))}
-    outer = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test ARGS=`
-    env = {**outer, **slurm, **settings, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOGS": str(tmp_path),
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(["bash", "gpt.sbatch"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = sbatch_job(tmp_path, 2, settings)
+    proc = subprocess.Popen(["bash", "gpt.sbatch"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    signal_tasks_at(tmp_path, proc, r"^config: ", signal.SIGUSR1, ntasks=2)
+    first = proc.communicate(timeout=600)[0]
     tasks = [(tmp_path / f"task{i}.log").read_text() for i in range(2)]
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + tasks[0][-3000:]
+    assert proc.returncode == 0, first[-2000:] + tasks[0][-3000:]
+    assert "SIGUSR1 received: saved" in tasks[0] and "requeued SLURM job 31337" in tasks[0], tasks[0][-2000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 31337\n"  # once, by rank 0
+    assert list((tmp_path / "slurm" / "checkpoints").glob("step-*")) and not (tmp_path / "slurm" / "record.json").exists()
+    again = subprocess.run(["bash", "gpt.sbatch"], cwd=REPO, env={**env, "MASTER_PORT": str(free_port())},
+                           capture_output=True, text=True, timeout=600)
+    tasks = [(tmp_path / f"task{i}.log").read_text() for i in range(2)]
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:] + tasks[0][-3000:]
+    assert "resumed from" in tasks[0]
     for rank in range(2):
         assert re.search(rf"^rank {rank}/2: node {rank}, local rank 0, .*SLURMEnvironment \(launcher: SLURM \(srun\)\)",
                          tasks[rank], re.M), tasks[rank][-2000:]
     got = record(tmp_path, "slurm")
     assert got["world_size"] == 2 and got["config"]["num_nodes"] == 2 and got["env"]["launcher"] == "SLURM (srun)"
     assert losses(tmp_path, "slurm") == pytest.approx(losses(*two_process("ddp")), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_sigterm_twice_during_a_periodic_save_keeps_that_checkpoint_and_takes_no_further_step(tmp_path):
+    """SLURM's preemption and time limit send SIGTERM to the task's process group; a launcher forwards it again. The
+    pair, sent as a periodic checkpoint is being written: the run stops with that checkpoint as its last (no further
+    step, no second save), exits 143, requeues nothing, and a second run continues it to the end."""
+    steps = ["--model", "tiny", "--n-embd", "256", "--n-layer", "4", "--seq-len", "128", "--micro-batch-size", "8",
+             "--num-samples", "800", "--checkpoint-every", "6", "--log-every", "6", "--out-dir", tmp_path]
+    settings = {"STEPS": "0", "MODEL": "tiny", "STRATEGY": "auto", "PRECISION": "32-true", "ACCELERATOR": "cpu",
+                "RUN": "term", "ARGS": " ".join(map(str, [*steps[2:], "--dataset", "ramp"]))}
+    env = sbatch_job(tmp_path, 1, settings)
+    proc = subprocess.Popen(["bash", "gpt.sbatch"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    signal_tasks_at(tmp_path, proc, r"^step   12/", signal.SIGTERM)  # its log line comes just before its save
+    proc.communicate(timeout=600)
+    log = (tmp_path / "task0.log").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    saved = sorted(p.name for p in (tmp_path / "term" / "checkpoints").glob("step-*"))
+    assert saved[-1] == "step-00000012" and "SIGTERM received: saved" in log and "SIGTERM received again" in log, saved
+    assert not (tmp_path / "scontrol.log").exists()
+    again = subprocess.run(["bash", "gpt.sbatch"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and record(tmp_path, "term")["steps"] == 100, again.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- what a run says before and after

@@ -153,3 +153,48 @@ def test_a_run_fabric_launched_records_fabric_as_its_launcher(tmp_path):
                "--steps", "1", "--num-samples", "8", "--out-dir", tmp_path, "--run-name", "two")
     record = json.loads((tmp_path / "two" / "record.json").read_text())
     assert record["env"]["launcher"] == ranks.FABRIC
+
+
+@pytest.mark.slow
+def test_torchrun_as_gpt_sbatch_documents_it_hands_slurms_signals_on(tmp_path):
+    """torchrun in a SLURM job, with the flags gpt.sbatch gives it: SIGUSR1 to its task's process group (the agent
+    alone: its processes run in sessions of their own), twice. The agent hands it to its 2 processes, which save at
+    their step boundary and requeue the job once (rank 0); torchrun exits non-zero, and the job run again continues
+    from that checkpoint to the end."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO
+
+    recipe = (REPO / "gpt.sbatch").read_text()
+    handled = re.search(r"--signals-to-handle (\S+)", recipe).group(1)
+    timeout = re.search(r"--shutdown-timeout (\d+)", recipe).group(1)
+    assert "SIGUSR1" in handled and "SIGUSR2" in handled and "SIGTERM" in handled
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (tmp_path / "bin" / "scontrol").chmod(0o755)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "515",
+           "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    command = [str(Path(sys.executable).parent / "torchrun"), "--signals-to-handle", handled, "--shutdown-timeout",
+               timeout, "--standalone", "--nproc-per-node", "2", "fabric_gpt.py", "--model", "tiny", "--dataset",
+               "ramp", "--num-samples", "4000", "--micro-batch-size", "2", "--devices", "2", "--strategy", "ddp",
+               "--accelerator", "cpu", "--steps", "40", "--out-dir", str(tmp_path), "--run-name", "tr",
+               "--resume", "auto"]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # the task's process group, as srun starts it
+    for line in proc.stdout:
+        if line.startswith("step   10/"):
+            for _ in range(2):
+                os.killpg(proc.pid, signal.SIGUSR1)
+                time.sleep(0.05)
+            break
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and "SIGUSR1 received: saved" in output, output[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 515\n"
+    saved = max(int(p.name[5:]) for p in (tmp_path / "tr" / "checkpoints").glob("step-*"))
+    assert 10 <= saved < 40
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert json.loads((tmp_path / "tr" / "record.json").read_text())["steps"] == 40

@@ -148,6 +148,9 @@ def test_resume_auto_starts_continues_or_skips_a_finished_run(mnist_dir, tmp_pat
     done = run_in_process("fabric_lenet.py", *args, "--resume", "auto")
     assert done.returncode == 0 and "has finished (its record.json holds step 8); nothing to train" in done.stdout
     assert (tmp_path / "mine" / "record.json").read_text() == record and "resumed from" not in done.stdout
+    # a runtime flag changed (how the run executes, not what it computes): still the finished run
+    done = run_in_process("fabric_lenet.py", *args, "--resume", "auto", "--log-every", "7", "--keep-last", "2")
+    assert "has finished" in done.stdout and (tmp_path / "mine" / "record.json").read_text() == record
     refused = run_in_process("fabric_lenet.py", *args, check=False)
     assert refused.returncode == 1 and "a new run does not overwrite it" in refused.stderr
     missing = run_in_process("fabric_lenet.py", *args, "--resume", str(tmp_path / "nope"), check=False)
@@ -155,6 +158,29 @@ def test_resume_auto_starts_continues_or_skips_a_finished_run(mnist_dir, tmp_pat
     nothing = run_in_process("fabric_lenet.py", "--resume", "auto", "--out-dir", tmp_path / "empty", "--max-steps", "1",
                              *args[:-6], "--data-dir", mnist_dir)
     assert "--resume auto: no lenet run with a checkpoint under" in nothing.stdout and "starting a new run" in nothing.stdout
+
+
+def test_resume_auto_sets_every_damaged_checkpoint_aside_and_starts_over(mnist_dir, tmp_path):
+    """A requeued job whose checkpoints are all damaged would fail on every requeue: one line, the checkpoints moved
+    to checkpoints/damaged-<time>/ (kept), the run started over to its end. Without --run-name, auto picks the run
+    with the newest checkpoint, not the one with the newest folder set aside."""
+    args = ["--train-samples", "1024", "--batch-size", "256", "--epochs", "1", "--no-tb-images", "--accelerator", "cpu",
+            "--checkpoint-every", "1", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    run_in_process("fabric_lenet.py", *args, "--run-name", "lenet-broken", "--max-steps", "2")
+    for ckpt in (tmp_path / "lenet-broken" / "checkpoints").glob("step-*"):
+        state = ckpt / "state"
+        state.write_bytes(state.read_bytes()[:100])  # truncated, as by a full disk
+    (tmp_path / "lenet-broken" / "record.json").unlink()
+    started = run_in_process("fabric_lenet.py", *args, "--run-name", "lenet-broken", "--max-steps", "3",
+                             "--resume", "auto")
+    assert "every checkpoint of" in started.stdout and "the run starts over" in started.stdout, started.stdout
+    aside = list((tmp_path / "lenet-broken" / "checkpoints").glob("damaged-*/step-*"))
+    assert len(aside) == 2 and read_summary(tmp_path / "lenet-broken")["steps"] == 3 and "resumed" not in started.stdout
+    run_in_process("fabric_lenet.py", *args, "--run-name", "lenet-newer", "--max-steps", "1")
+    time.sleep(0.01)
+    (tmp_path / "lenet-broken" / "checkpoints" / "abandoned-later").mkdir()  # newer than lenet-newer's checkpoint
+    resumed = run_in_process("fabric_lenet.py", *args, "--max-steps", "2", "--resume", "auto")
+    assert f"resumed from {tmp_path / 'lenet-newer'}" in resumed.stdout
 
 
 def test_nonfinite_loss_stops_with_the_step_and_causes(mnist_dir, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, run_in_process, run_script
 import fabric_gpt as gpt
@@ -113,7 +114,9 @@ SAMPLE_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n
 def test_char_tokenizer_round_trips_and_matches_its_table():
     tok = tc.char_tokenizer(SAMPLE_TEXT)
     chars = sorted(set(SAMPLE_TEXT))
-    assert tok.get_vocab_size() == len(chars)
+    assert tok.get_vocab_size() == len(chars) + 1  # and <|endoftext|>, after them: no character is the end of text
+    assert tok.token_to_id(tc.END_OF_TEXT) == len(chars) and tok.decode([len(chars)], skip_special_tokens=False) == \
+        tc.END_OF_TEXT
     ids = tc.encode(tok, SAMPLE_TEXT, "char")
     assert ids.tolist() == [chars.index(c) for c in SAMPLE_TEXT]  # the table look-up is the tokenizer's own encoding
     assert ids.tolist() == tok.encode(SAMPLE_TEXT).ids
@@ -129,6 +132,17 @@ def test_bpe_round_trips_any_text_and_compresses_its_corpus():
     assert tok.decode(tok.encode(unseen).ids) == unseen  # byte-level: nothing is unknown
     with pytest.raises(tc.TextError, match="at least 257 tokens"):
         tc.bpe_tokenizer(SAMPLE_TEXT, 100)
+
+
+def test_bpe_is_trained_on_the_training_split_alone_and_make_text_prepares_what_training_uses(tmp_path):
+    """The validation text is the corpus's last 10%: a word only it holds is never merged into a token; and the
+    vocabulary `make text TOKENIZER=bpe` prepares (text_corpus.py's default) is the one a bpe run trains with."""
+    corpus = "the cat sat on the mat.\n" * 900 + "zyxwv " * 400  # zyxwv: in the last 10% of the characters only
+    p = tc.prepare(str(write(tmp_path / "c.txt", corpus)), "bpe", 300, tmp_path / "data", quiet=True)
+    vocab = p.load_tokenizer().get_vocab()
+    assert any("cat" in t for t in vocab) and not any("zy" in t or "xw" in t for t in vocab)
+    assert tc.build_parser().parse_args([]).vocab_size == tc.BPE_VOCAB == gpt.bpe_target(
+        gpt.parse_args(["--tokenizer", "bpe"]))
 
 
 def test_a_saved_tokenizer_loads_from_a_file_a_folder_or_gpt2_style_vocab_and_merges(tmp_path):
@@ -214,7 +228,8 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
     run_in_process("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "24", "--eval-every", "12",
                    "--out-dir", tmp_path, "--run-name", "t", "--export")
     rec = json.loads((tmp_path / "t" / "record.json").read_text())
-    assert rec["config"]["vocab_size"] == 84 == rec["text"]["tokenizer_vocab"] and rec["text"]["corpus_sha256"] == tc.CORPUS_SHA256
+    # 84 characters and <|endoftext|>
+    assert rec["config"]["vocab_size"] == 85 == rec["text"]["tokenizer_vocab"] and rec["text"]["corpus_sha256"] == tc.CORPUS_SHA256
     assert [s for s, _ in rec["val_losses"]] == [12, 24] and rec["val_loss"] == rec["val_losses"][-1][1]
     assert rec["val_losses"][-1][1] < rec["val_losses"][0][1] < 4.2  # below uniform over 84 characters (4.43)
     assert rec["tokens_per_s"] > 0 and (tmp_path / "t" / "tokenizer.json").is_file()
@@ -235,12 +250,46 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # the exported folder carries the tokenizer
 
     hf_tok, hf_model = AutoTokenizer.from_pretrained(tmp_path / "t" / "hf"), AutoModelForCausalLM.from_pretrained(tmp_path / "t" / "hf")
-    assert hf_tok.decode(hf_tok("ROMEO:\nWhat?")["input_ids"]) == "ROMEO:\nWhat?" and hf_model.config.vocab_size == 84
+    assert hf_tok.decode(hf_tok("ROMEO:\nWhat?")["input_ids"]) == "ROMEO:\nWhat?" and hf_model.config.vocab_size == 85
+    assert_generates_as_its_users_load_it(tmp_path / "t" / "hf", eot=84, dtype=torch.float32)
     import report
 
     report.main(["--runs", str(tmp_path), "--out", str(tmp_path / "report")])
     written = (tmp_path / "report" / "REPORT.md").read_text()
     assert "## GPT-2 on text" in written and "| 24 |" in written and (tmp_path / "report" / "gpt_text_curves.png").is_file()
+
+
+def assert_generates_as_its_users_load_it(folder, eot: int, dtype) -> None:
+    """transformers' own loaders on the exported folder: AutoTokenizer and pipeline("text-generation"). The end of
+    text is <|endoftext|> (never a character of the corpus), so greedy generation runs its whole length; a prompt
+    longer than the run's sequence is cut to fit by handle_long_generation (which needs model_max_length); the
+    weights are in the run's dtype."""
+    from transformers import AutoTokenizer, pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == tokenizer.pad_token == tc.END_OF_TEXT and tokenizer.eos_token_id == eot
+    generate = pipeline("text-generation", model=str(folder))
+    assert generate.model.config.eos_token_id == generate.model.generation_config.eos_token_id == eot
+    assert generate.model.dtype == dtype and tokenizer.model_max_length == generate.model.config.n_positions
+    out = generate("ROMEO:", max_new_tokens=12, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    assert len(out) == len(tokenizer("ROMEO:")["input_ids"]) + 12  # not stopped at the first of some character
+    long = "ROMEO: " * (tokenizer.model_max_length // 2)  # over the sequence the model has positions for
+    text = generate(long, max_new_tokens=4, do_sample=False, handle_long_generation="hole")[0]["generated_text"]
+    assert text.startswith(long) and len(text) > len(long)  # the prompt, then what the model wrote after its end
+
+
+def test_a_bpe_run_in_bf16_exports_a_folder_in_bf16_with_its_end_of_text(tmp_path, text_dir):
+    """BPE's <|endoftext|> is its id 0 (its first special token), not the vocabulary's last id; a bf16 run's folder
+    holds bfloat16 weights unless --export-dtype asks otherwise; exporting again keeps the folder whole throughout."""
+    args = [*TEXT, "--data-dir", text_dir, "--tokenizer", "bpe", "--vocab-size", "300", "--precision", "bf16-mixed",
+            "--steps", "4", "--out-dir", tmp_path, "--run-name", "b", "--export"]
+    run_in_process("fabric_gpt.py", *args)
+    assert_generates_as_its_users_load_it(tmp_path / "b" / "hf", eot=0, dtype=torch.bfloat16)
+    import hf_export
+
+    hf_export.main([str(tmp_path / "b"), "--dtype", "float32"])  # again, from the checkpoint, in float32
+    assert_generates_as_its_users_load_it(tmp_path / "b" / "hf", eot=0, dtype=torch.float32)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("hf")) == ["hf"]
 
 
 def test_a_resumed_text_run_continues_the_same_stream(tmp_path, text_dir):
@@ -254,6 +303,28 @@ def test_a_resumed_text_run_continues_the_same_stream(tmp_path, text_dir):
     assert flat(cut["losses"]) == pytest.approx(flat(whole["losses"]), rel=1e-6)
     assert flat(cut["val_losses"]) == pytest.approx(flat(whole["val_losses"]), rel=1e-6)
     assert [s for s, _ in whole["val_losses"]] == [3, 6, 9, 12]
+
+
+def test_a_finished_text_run_is_recognised_and_a_larger_steps_extends_it(tmp_path, text_dir):
+    """--resume auto of a finished text run trains nothing and keeps its record (its corpus and tokenizer compared
+    by content, runtime flags aside); a larger --steps continues it, on the same windows as a run made that long
+    from the start, at the rate its schedule ended with."""
+    args = [*TEXT, "--data-dir", text_dir, "--out-dir", tmp_path, "--log-every", "1", "--checkpoint-every", "4"]
+    run_in_process("fabric_gpt.py", *args, "--run-name", "x", "--steps", "4")
+    record = (tmp_path / "x" / "record.json").read_text()
+    for flags in ([], ["--log-every", "2", "--eval-every", "2"]):
+        done = run_in_process("fabric_gpt.py", *args, "--run-name", "x", "--steps", "4", "--resume", "auto", *flags)
+        assert "has finished (its record.json holds step 4)" in done.stdout, done.stdout[-2000:]
+        assert (tmp_path / "x" / "record.json").read_text() == record
+    longer = run_in_process("fabric_gpt.py", *args, "--run-name", "x", "--steps", "8", "--resume", "auto")
+    assert "resumed from" in longer.stdout and "steps 5-8 of 4" in longer.stdout, longer.stdout[-2000:]
+    extended = json.loads((tmp_path / "x" / "record.json").read_text())
+    assert [s for s, _ in extended["losses"]] == list(range(1, 9))
+    def windows(steps):
+        cfg = gpt.parse_args([*TEXT, "--data-dir", str(text_dir), "--steps", str(steps)])
+        gpt.resolve_text(cfg)
+        return gpt.make_dataset(cfg).starts
+    assert torch.equal(windows(8)[:16], windows(4))  # the first 4 steps' windows (micro-batch 4), then 4 more
 
 
 def test_resuming_with_another_tokenizer_or_corpus_is_refused(tmp_path, text_dir):
@@ -273,7 +344,7 @@ def test_resuming_with_another_tokenizer_or_corpus_is_refused(tmp_path, text_dir
     (["--text", "{tmp}/empty.txt"], "empty"),
     (["--text", "{tmp}/binary.bin"], "a binary file, not text"),
     (["--text", "{tmp}/short.txt"], "fewer than one window of --seq-len 32"),
-    (["--vocab-size", "50"], "smaller than the 84 tokens of the char tokenizer"),
+    (["--vocab-size", "50"], "smaller than the 85 tokens of the char tokenizer"),
     (["--dataset", "random", "--tokenizer", "char"], "read by --dataset text only"),
     (["--tokenizer", "{tmp}/empty.txt"], "not a tokenizer"),
 ])
