@@ -53,14 +53,12 @@ class Config:
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)", runtime=True)
     compile_mode: str = opt("default", "torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
                             ("default", "reduce-overhead", "max-autotune"), runtime=True)
-    sync_check: bool = opt(False, "CUDA: fail at any host synchronisation in a step, from each batch shape's fourth "
-                           "on (torch.cuda.set_sync_debug_mode)", runtime=True)
+    sync_check: bool = opt(False, "CUDA: fail at a host synchronisation in a step (from a shape's 4th)", runtime=True)
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU", runtime=True)
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
                             min=6, max=64, zero=True, runtime=True)
-    # Batch 512 (lr 8e-3): as accurate as 128 or 256, at 1.2-1.5x the samples/s on 2 CPU cores, where a step's
-    # fixed cost dominates small batches. 16 epochs with label smoothing: 99.42% mean over 5 seeds, against
-    # 99.35% for 12 or 16 epochs without it (make bench-lenet)
+    # Batch 512 (lr 8e-3): as accurate as 128 or 256, 1.2-1.5x the samples/s on 2 CPU cores. 16 epochs with label
+    # smoothing: 99.42% mean over 5 seeds, against 99.35% for 12 or 16 without (make bench-lenet, docs/lenet.md)
     epochs: int = opt(16, "passes over the training set", min=1, group="optimisation")
     batch_size: int = opt(512, "global batch: split evenly across all processes", min=1, max=60000)
     lr: float = opt(8e-3, "peak learning rate of the schedule", above=0)
@@ -80,24 +78,19 @@ class Config:
     data_dir: str = opt("data/mnist", "folder for the MNIST files", check=flags.Folder(), runtime=True)
     mirror: str = opt("", "URL or folder with the MNIST .gz files (default: $MNIST_MIRROR, then upstream)",
                       check=flags.Source(), runtime=True)
-    train_samples: int = opt(0, "train on the first N training images only (0: all 60,000)", min=1, max=60000,
-                             zero=True)
-    max_steps: int = opt(0, "stop after this many optimizer steps (0: run all epochs); for smoke tests", min=0,
-                         runtime=True)
+    train_samples: int = opt(0, "train on the first N training images (0: all 60,000)", min=1, max=60000, zero=True)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0: all epochs)", min=0, runtime=True)
     out_dir: str = opt("runs", "folder holding one folder per run", check=flags.Folder(),
                        group="output and resumption", runtime=True)
-    run_name: str = opt("", "run folder name (default: lenet-<activation>-<date-time>)", check=flags.RunName(),
-                        runtime=True)
+    run_name: str = opt("", "run folder (default: lenet-<activation>-<date-time>)", check=flags.RunName(), runtime=True)
     log_every: int = opt(50, "steps between train-loss log points", min=1, runtime=True)
     eval_every: int = opt(0, "steps between extra test evaluations (0: only at epoch ends)", min=0, runtime=True)
     checkpoint_every: int = opt(0, "steps between checkpoints (0: only at epoch ends)", min=0, runtime=True)
     keep_last: int = opt(3, "checkpoints kept", min=1, runtime=True)
     resume: str = resume_flag()
     requeue_signal: str = requeue_flag()
-    cache_dir: str = opt("~/.cache/fabric-lab", "where --precision auto keeps its timings per machine",
-                         check=flags.Folder(), runtime=True)
-    tb_images: bool = opt(True, "confusion matrix, misclassified digits, feature maps, histograms in TensorBoard",
-                          runtime=True)
+    cache_dir: str = opt("~/.cache/fabric-lab", "--precision auto's timings", check=flags.Folder(), runtime=True)
+    tb_images: bool = opt(True, "confusion matrix, mistakes, feature maps, histograms in TensorBoard", runtime=True)
 
 
 # ----------------------------------------------------------------------------- model
@@ -133,11 +126,9 @@ class LeNet5(nn.Module):
 
 
 def make_activation(cfg: Config) -> nn.Module:
-    if cfg.activation == "relu":
-        return nn.ReLU()
     from gelu_ext import GELU
 
-    return GELU(impl=cfg.activation.removeprefix("gelu_"), approximate=cfg.gelu_approximate)
+    return nn.ReLU() if cfg.activation == "relu" else GELU(impl=cfg.activation[5:], approximate=cfg.gelu_approximate)
 
 
 # ----------------------------------------------------------------------------- data
@@ -228,7 +219,7 @@ def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tenso
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
     step = progress.global_step
     (stopping,) = run.stop.requested(fabric)
-    last = bool(cfg.max_steps) and step >= cfg.max_steps
+    last = reached_max_steps(progress, cfg)
     log_due, eval_due = step % cfg.log_every == 0, cfg.eval_every and step % cfg.eval_every == 0
     save_due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping
     if log_due or eval_due or save_due or last:
@@ -236,7 +227,11 @@ def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tenso
         if log_due:
             run.logger.log_metrics({"train/loss": loss, "train/lr": run.state["scheduler"].get_last_lr()[0]}, step=step)
     if eval_due:
-        log_eval(run, evaluate(fabric, model, test_tensors), progress.epoch, step, progress.train_time_s)
+        result, seconds = evaluate(fabric, model, test_tensors), progress.train_time_s
+        progress.history.append({"epoch": progress.epoch + 1, "step": step, "train_time_s": seconds, "partial": True,
+                                 **{k: result[k] for k in ("test_loss", "test_acc")}})
+        run.logger.log_metrics({"test/loss": result["test_loss"], "test/acc": result["test_acc"]}, step=step)
+        fabric.print(f"  step {step}: test acc {100 * result['test_acc']:.2f}% after {seconds:.2f} s of training")
         stopping = stopping or run.stop.requested(fabric)[0]  # a signal during it: stop at this step
     if save_due or stopping:
         run.save(step)
@@ -247,9 +242,9 @@ def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tenso
 
 
 def fold_losses(run: Run, losses: LossWatch, timer: StepTimer) -> float:
-    """The steps since the last check point, read from the device in one transfer: their time added to the training
-    time, each loss to the epoch's running mean in step order (a resumed run's mean matches the uninterrupted one's);
-    a non-finite loss, on any rank, stops the run naming its step first. Returns the last step's loss (this rank's)."""
+    """The steps since the last check point, read from the device in one transfer: their time into the training time,
+    each loss into the epoch's running mean in step order (a resumed run's mean is the uninterrupted one's); a
+    non-finite loss on any rank stops the run, naming its step. Returns the last step's loss (this rank's)."""
     progress = run.state["progress"]
     read = losses.read(f"epoch {progress.epoch + 1}", run.last_checkpoint, progress.global_step)
     progress.train_time_s += sum(seconds for seconds, _ in timer.collect())
@@ -260,8 +255,8 @@ def fold_losses(run: Run, losses: LossWatch, timer: StepTimer) -> float:
 
 
 def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_steps: int) -> dict:
-    """Evaluate, print and log the epoch, and checkpoint it (a finished epoch moves the counters to the next).
-    `speed`: this process's training time of the epoch, the samples it saw in it (all ranks) and its data wait."""
+    """Evaluate, print and log the epoch, and checkpoint it (a finished epoch moves the counters to the next). `speed`:
+    this process's training time in the epoch, the samples all ranks saw in it, and its wait for data."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
     seconds = speed["epoch_time_s"]
     result = evaluate(fabric, model, test_tensors)
@@ -272,7 +267,12 @@ def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_step
               "train_time_s": progress.train_time_s, **{k: result[k] for k in ("test_loss", "test_acc")}}
     progress.history.append(record)
     lenet_figures.print_epoch(fabric, record, cfg.epochs)
-    log_epoch(run, model, record, result, test_tensors)
+    run.logger.log_metrics({"test/loss": record["test_loss"], "test/acc": record["test_acc"],
+                            "train/epoch_loss": record["train_loss"], "perf/samples_per_s": record["samples_per_s"],
+                            "perf/data_wait_share": record["data_wait_share"],
+                            **lenet_figures.system_metrics(fabric.device)}, step=record["step"])
+    if cfg.tb_images and fabric.is_global_zero:
+        lenet_figures.log_images(run.logger.experiment, model, result, test_tensors, record["step"])
     if progress.step_in_epoch >= epoch_steps:
         progress.epoch, progress.step_in_epoch, progress.loss_sum, progress.loss_count = epoch + 1, 0, 0.0, 0
     run.save(progress.global_step)
@@ -291,23 +291,19 @@ def steps_per_epoch(n_samples: int, cfg: Config, world: int) -> int:
 def make_optimizer(cfg: Config, model, total_steps: int):
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=cfg.weight_decay)
-    else:
-        # fused: one kernel for all parameters instead of a loop of small ones (matters at LeNet's size)
+    else:  # fused: one kernel for all parameters instead of a loop of small ones (matters at LeNet's size)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    if cfg.schedule == "onecycle":
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2)
-    elif cfg.schedule == "cosine":
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps)
-    else:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    return opt, sched
+    schedules = torch.optim.lr_scheduler  # onecycle: warm-up, then cosine decay
+    make = {"onecycle": lambda: schedules.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2),
+            "cosine": lambda: schedules.CosineAnnealingLR(opt, T_max=total_steps),
+            "constant": lambda: schedules.LambdaLR(opt, lambda step: 1.0)}
+    return opt, make[cfg.schedule]()
 
 
 @torch.no_grad()
 def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) -> dict:
-    """Test loss, accuracy, per-class accuracy and confusion matrix; each rank scores its shard and
-    torchmetrics gathers the counts across processes. Also the test indices of this rank's first 64 errors,
-    for TensorBoard's misclassified digits."""
+    """Test loss, accuracy, per-class accuracy and confusion matrix (each rank scores its shard, torchmetrics gathers
+    the counts), and the test indices of this rank's first 64 errors, for TensorBoard's misclassified digits."""
     model.eval()
     rank, world = fabric.global_rank, fabric.world_size
     x, y = (t[rank::world] for t in test_tensors)
@@ -329,27 +325,6 @@ def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) 
     return {"test_loss": float(total) / len(test_tensors[1]), "test_acc": float(acc.compute()),
             "per_class_acc": per_class.compute().tolist(), "confusion": confusion.compute().tolist(),
             "misclassified": wrong[:64]}
-
-
-# ----------------------------------------------------------------------------- output
-def log_eval(run: Run, result, epoch, step, train_time) -> None:
-    fabric, logger = run.fabric, run.logger
-    run.state["progress"].history.append({"epoch": epoch + 1, "step": step, "train_time_s": train_time, "partial": True,
-                    "test_loss": result["test_loss"], "test_acc": result["test_acc"]})
-    logger.log_metrics({"test/loss": result["test_loss"], "test/acc": result["test_acc"]}, step=step)
-    fabric.print(f"  step {step}: test acc {100 * result['test_acc']:.2f}% after {train_time:.2f} s of training")
-
-
-def log_epoch(run: Run, model, record: dict, result: dict, test_tensors) -> None:
-    fabric, logger, cfg = run.fabric, run.logger, run.cfg
-    step = record["step"]
-    metrics = {"test/loss": record["test_loss"], "test/acc": record["test_acc"],
-               "train/epoch_loss": record["train_loss"],
-               "perf/samples_per_s": record["samples_per_s"], "perf/data_wait_share": record["data_wait_share"],
-               **lenet_figures.system_metrics(fabric.device)}
-    logger.log_metrics(metrics, step=step)
-    if cfg.tb_images and fabric.is_global_zero:
-        lenet_figures.log_images(logger.experiment, model, result, test_tensors, step)
 
 
 def validate(cfg: Config) -> dict | None:
@@ -439,10 +414,7 @@ def load_data(cfg: Config):
     """Train and test splits, parsed once from the IDX files (downloaded or copied from the mirror)."""
     train = datasets_local.MNIST(cfg.data_dir, train=True, download=True, mirror=cfg.mirror or None)
     test = datasets_local.MNIST(cfg.data_dir, train=False, download=True, mirror=cfg.mirror or None)
-    if cfg.train_samples > len(train):
-        raise ConfigError(f"--train-samples {cfg.train_samples} is more than the {len(train):,} training images; "
-                          f"use at most {len(train)} (0: all)")
-    if cfg.train_samples:
+    if cfg.train_samples:  # at most 60,000: the flag's bound
         train.images, train.labels = train.images[:cfg.train_samples], train.labels[:cfg.train_samples]
     return train, test
 

@@ -176,3 +176,11 @@ def return_freed_host_memory() -> None:
     if libc is not None:
         libc.malloc_trim(0)
 
+
+
+def native_bf16() -> bool:
+    """This CPU computes bf16 matmuls in hardware (AVX-512 BF16 or AMX) and no instruction-set cap hides them. Without
+    them torch emulates bf16: on an AVX2 EPYC with torch 2.14, 0.7 GFLOP/s against 61 in float32."""
+    below_bf16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in below_bf16
+    return not capped and any("BF16" in unit for unit in cpu_units())

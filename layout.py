@@ -133,7 +133,7 @@ def search_layouts(devices: int, num_nodes: int, n_head: int, n_layer: int) -> l
     """Every layout `--search` weighs on devices x num_nodes: one device alone; else data parallel, FSDP and each ZeRO
     stage (with offload), tensor parallel inside one node, fsdp_tp for each tensor-parallel group of a node's devices,
     and pp for each stage count that divides the processes."""
-    world = devices * num_nodes
+    world = _layout("auto", devices, num_nodes, 0, 0).world
     if world == 1:
         return [_layout("auto", 1, 1, 0, 0)]
     names = ["ddp", "fsdp", *(s for s in STRATEGIES if s.startswith("deepspeed"))]

@@ -99,11 +99,12 @@ def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | N
     for --resume auto of a run whose record shows the same experiment (`identity`: what it trained on beside its
     flags) already reached what cfg asks for (`finished(record, cfg)`), that record, returned so that a requeued job
     that finished does not train twice."""
+    asked = cfg.resume  # --resume auto may turn into a start (nothing to resume), in the run's own folder
     if cfg.resume == "auto" and (done := resume_or_start(cfg, kind, finished, identity or {})) is not None:
         return done
     if cfg.resume and not cfg.run_name:
         cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
-    if not cfg.resume:
+    if not asked:
         refuse_existing_run(cfg)
     return None
 
