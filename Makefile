@@ -45,7 +45,7 @@ SETUP := $(VENV)/.installed $(VENV)/.libaio
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch torchvision)
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch)
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
@@ -59,11 +59,12 @@ $(VENV)/.libaio: $(VENV)/.installed
 	fi || echo "note: libaio was not fetched; --nvme-path is refused until libaio-dev is installed"
 	touch $@
 
-# Compiled once here rather than inside the first run (or test) that needs them: DeepSpeed's CPU ops and the
-# C++ GELU (each recompiles by itself if its sources or torch change).
+# Compiled once here, side by side, rather than inside the first run (or test) that needs them: DeepSpeed's CPU
+# ops (NVMe offload's are left to the first --nvme-path run) and the C++ GELU, its CUDA kernel only where a GPU
+# is (each recompiles by itself if its sources or torch change).
 $(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
-	$(PY) -c "import strategies; strategies.build_cpu_ops()"
-	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')"
+	$(PY) -c "import strategies; strategies.build_cpu_ops()" & deepspeed=$$!; \
+	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')" && wait $$deepspeed
 	touch $@
 SETUP += $(VENV)/.ops
 

@@ -79,14 +79,17 @@ def bench_lenet(args) -> None:
     for seed in range(args.seeds):
         cases[f"default_seed{seed}"] = ["--seed", str(seed)]
         cases[f"short_seed{seed}"] = [*SHORT_RECIPE, "--seed", str(seed)]
-    results = {}
+    results, reuse = {}, {"default_seed0": args.default_run} if default_recipe_run(args.default_run) else {}
     for name in progress(list(cases), "lenet bench"):
         started = time.time()
-        code, last = run_case(out / name, args.keep, "fabric_lenet.py", [*cases[name], *common, "--run-name", name])
-        if code:
-            sys.exit(f"error: {name} failed: {last}")
-        print(f"{name}: {'kept' if last == 'kept' else 'ok'} ({time.time() - started:.0f} s)", flush=True)
-        s = read_record(out / name)
+        if name in reuse:
+            print(f"{name}: taken from {reuse[name]}, a finished run of the same recipe (not trained again)", flush=True)
+        else:
+            code, last = run_case(out / name, args.keep, "fabric_lenet.py", [*cases[name], *common, "--run-name", name])
+            if code:
+                sys.exit(f"error: {name} failed: {last}")
+            print(f"{name}: {'kept' if last == 'kept' else 'ok'} ({time.time() - started:.0f} s)", flush=True)
+        s = read_record(Path(reuse.get(name, out / name)))
         reached = time_to_accuracy(s["history"])["99.0%"]
         results[name] = {"samples_per_s": s["samples_per_s"], "test_acc": s["test_acc"], "train_time_s": s["train_time_s"],
                          "time_to_99_0_s": reached and reached["train_time_s"], "batch_size": s["config"]["batch_size"],
@@ -124,6 +127,17 @@ def bench_lenet(args) -> None:
 # 1.55 epochs but 10-20% fewer samples/s; a cosine schedule: 2.0 epochs; lr 1.2e-2 or batch 384 never reached
 # 99.0% in some seeds, nor did 2 epochs at batch 256 and lr 1.2e-2 in 2 of 13) (docs/lenet.md)
 SHORT_RECIPE = ["--epochs", "2", "--no-augment", "--batch-size", "192", "--lr", "8e-3", "--eval-every", "17"]
+
+
+def default_recipe_run(folder: str) -> bool:
+    """`folder` holds a finished CPU run of fabric_lenet.py's defaults at seed 0 (make lab's lenet-relu stage): the
+    same training as the bench's default_seed0, which then reads its record instead of training it again."""
+    import fabric_lenet
+    from run_state import same_experiment
+
+    record, cfg = read_record(Path(folder)) if folder else None, fabric_lenet.Config()
+    return bool(record) and record.get("kind") == "lenet" and record.get("device") == "cpu" and same_experiment(
+        record.get("config", {}), cfg, "lenet", {}) and fabric_lenet.reached_its_end(record, cfg)
 
 
 def over_seeds(runs: list) -> dict:
@@ -306,7 +320,10 @@ def bench_text(args) -> None:
 
     out = Path(args.out_dir) / "bench-text"
     text_corpus.prepare("", "char", 0, args.data_dir)  # once, before the cases
-    common = [*NANOGPT_RECIPE, "--steps", args.steps, "--data-dir", args.data_dir, "--eval-batches", 200,
+    batch = int(NANOGPT_RECIPE[NANOGPT_RECIPE.index("--micro-batch-size") + 1])
+    if args.eval_windows % batch:
+        sys.exit(f"error: --eval-windows {args.eval_windows}: a multiple of the recipe's batch of {batch} is needed")
+    common = [*NANOGPT_RECIPE, "--steps", args.steps, "--data-dir", args.data_dir, "--eval-batches", args.eval_windows // batch,
               "--log-every", max(1, args.steps // 4), "--out-dir", out, *args.extra]
     bf16 = [*common, "--precision", "bf16-mixed"]  # the later flag wins: the recipe's float32 becomes bf16 autocast
     # name -> (run folder prefix, flags); bf16 autocast takes attention in float32 where that measures faster
@@ -318,7 +335,7 @@ def bench_text(args) -> None:
         folder = out / f"nanogpt-{round_}"
         folder.mkdir(parents=True, exist_ok=True)
         code, last = run("nanogpt_reference.py", ["--data-dir", args.data_dir, "--out", folder / "record.json",
-                                                  "--max-iters", args.steps])
+                                                  "--max-iters", args.steps, "--eval-windows", args.eval_windows])
         if code:
             sys.exit(f"error: nanogpt_reference.py failed: {last}")
         results["nanoGPT (nanogpt_reference.py)"].append(json.loads((folder / "record.json").read_text()))
@@ -334,7 +351,8 @@ def bench_text(args) -> None:
     nano = [r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"]]  # round by round
     base = statistics.median(nano)
     lines = [f"CPU: {cpu_label()}", "", f"nanoGPT's shakespeare_char CPU recipe, {args.steps} steps, median of "
-             f"{args.repeats} alternating round(s); validation loss on the same 2,400 fixed windows of 64 tokens:", "",
+             f"{args.repeats} alternating round(s); validation loss on the same {args.eval_windows:,} fixed windows of 64 "
+             "tokens:", "",
              f"`python fabric_gpt.py {' '.join(map(str, NANOGPT_RECIPE))} --steps {args.steps}`", "",
              "| trainer | val loss | tokens/s | vs nanoGPT | same round, median (range) |", "|---|---|---|---|---|"]
     for name, runs in results.items():
@@ -347,7 +365,8 @@ def bench_text(args) -> None:
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
-    write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "steps": args.steps, "recipe": NANOGPT_RECIPE,
+    write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "steps": args.steps, "eval_windows": args.eval_windows,
+                                           "recipe": NANOGPT_RECIPE,
                                            "results": results})
     print(f"wrote {out}/table.md and bench.json")
 
@@ -368,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: 400)")
     lenet.add_argument("--seeds", type=number(int, min=1, max=1000), default=5, help="seeds of the default and the "
                        "short recipe (default: 5)")
+    lenet.add_argument("--default-run", default="", type=Folder(optional=True), help="a finished run of the default "
+                       "recipe at seed 0 to take as default_seed0 instead of training it again (make lab: its "
+                       "lenet-relu stage; ignored when its settings differ)")
     lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags, after -- (checked by its parser)")
     lenet.set_defaults(func=bench_lenet)
     gpt = sub.add_parser("gpt", help="GPT-2: strategies x precisions on equal data", description=bench_gpt.__doc__,
@@ -393,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "the recipe's)")
     text.add_argument("--repeats", type=number(int, min=1), default=1, help="alternating rounds of all the "
                       "trainers; the table takes medians (default: 1)")
+    text.add_argument("--eval-windows", type=number(int, min=1), default=2400, help="fixed validation windows "
+                      "both trainers are scored on (default: 2400, nanoGPT's 200 evaluation batches of 12)")
     text.add_argument("--data-dir", default="data/text", type=Folder(), help="the corpus and its prepared tokens "
                       "(default: data/text; TEXT_MIRROR offline)")
     text.add_argument("extra", nargs="*", help="more fabric_gpt.py flags, after -- (checked by its parser)")

@@ -176,7 +176,8 @@ def train(prepared, r: Recipe, windows, warmup: int) -> dict:
     seconds = time.perf_counter() - started
     timed = r.max_iters - min(warmup, r.max_iters - 1)
     return {"val_loss": val_loss(model, windows, r.batch_size), "timed_s": seconds, "timed_steps": timed,
-            "tokens_per_s": timed * r.batch_size * r.block_size / seconds, "recipe": vars(r)}
+            "tokens_per_s": timed * r.batch_size * r.block_size / seconds, "recipe": vars(r),
+            "eval_windows": len(windows.starts)}
 
 
 def build_parser():

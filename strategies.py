@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -85,24 +86,45 @@ def use_venv_libaio() -> None:
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the op needs libaio.so.1: once loaded, found by name
 
 
-def build_cpu_ops() -> None:
-    """Compile DeepSpeed's CPU ops into torch's extension cache at `make setup`, as a GPU machine compiles
-    them at install (DS_BUILD_OPS): otherwise the first run that needs each one compiles it, 2-3 minutes on
-    2 cores for all four (shared-memory collectives, CPU Adam, async I/O for NVMe, pinned memory)."""
+# What `make setup` compiles: the ops a CPU run of DeepSpeed loads first (its shared-memory collectives at every
+# multi-process start, CPU Adam for any offload). NVMe offload's async I/O and pinned-memory ops are built by the
+# first --nvme-path run instead, with a line saying so: few runs need them and they would double the set-up.
+SETUP_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+NVME_OPS = ("AsyncIOBuilder", "PinMemoryBuilder")
+
+
+def build_cpu_op(name: str) -> None:
+    """Compile one DeepSpeed CPU op into torch's extension cache (a no-op when it is there and up to date)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_venv_libaio()
     from deepspeed.accelerator import get_accelerator
 
-    for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder"):
-        builder = get_accelerator().create_op_builder(name)
-        if builder is None or not builder.is_compatible(verbose=False):
-            print(f"note: DeepSpeed's {name} cannot be built here; runs that need it will say so")
-            continue
-        try:
-            builder.load(verbose=False)
-            print(f"built DeepSpeed's {builder.name}")
-        except Exception as e:  # the run that needs it will build it again and fail with DeepSpeed's own message
-            print(f"note: DeepSpeed's {builder.name} did not build ({type(e).__name__}: {str(e)[:200]})")
+    builder = get_accelerator().create_op_builder(name)
+    if builder is None or not builder.is_compatible(verbose=False):
+        print(f"note: DeepSpeed's {name} cannot be built here; runs that need it will say so")
+        return
+    try:
+        builder.load(verbose=False)
+        print(f"built DeepSpeed's {builder.name}")
+    except Exception as e:  # the run that needs it will build it again and fail with DeepSpeed's own message
+        print(f"note: DeepSpeed's {builder.name} did not build ({type(e).__name__}: {str(e)[:200]})")
+
+
+def build_cpu_ops(names=SETUP_OPS) -> None:
+    """Compile DeepSpeed's CPU ops at `make setup`, as a GPU machine compiles them at install (DS_BUILD_OPS), one
+    process each so they build side by side; otherwise the first run that needs one compiles it while its other
+    ranks wait at the rendezvous."""
+    procs = [subprocess.Popen([sys.executable, "-c", f"import strategies; strategies.build_cpu_op({name!r})"],
+                              cwd=Path(__file__).parent) for name in names]
+    if any(p.wait() for p in procs):
+        sys.exit("error: a DeepSpeed op build crashed (its output is above)")
+
+
+def op_is_built(name: str) -> bool:
+    """Whether torch's extension cache holds DeepSpeed's op `name` (async_io, pin_memory, ...) already."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
 
 
 def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
@@ -122,6 +144,10 @@ def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
             os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
+    if not on_gpu and not op_is_built("async_io"):
+        print("note: building DeepSpeed's async I/O and pinned-memory ops for NVMe offload, once (make setup leaves "
+              "them to the first --nvme-path run)", flush=True)
+        build_cpu_ops(NVME_OPS)
     if not AsyncIOBuilder().is_compatible():
         raise ConfigError("--nvme-path: DeepSpeed's async I/O op needs libaio, which is not installed here; install "
                           "libaio-dev (apt) or run `make setup`, which unpacks it into .venv on Debian/Ubuntu")

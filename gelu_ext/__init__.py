@@ -90,8 +90,10 @@ def _simd_flags() -> tuple[str, list[str]]:
 
 def cuda_toolkit() -> str | None:
     """The CUDA toolkit to compile gelu_cuda.cu with, when torch is a CUDA build: CUDA_HOME, /usr/local/cuda or the
-    one nvcc on PATH belongs to, whichever has nvcc and the runtime's headers. None: no toolkit, or GELU_EXT_CUDA=0."""
-    if torch.version.cuda is None or os.environ.get("GELU_EXT_CUDA", "1") == "0":
+    one nvcc on PATH belongs to, whichever has nvcc and the runtime's headers. None: no toolkit, GELU_EXT_CUDA=0, or
+    no GPU to run the kernel on (GELU_EXT_CUDA=1 builds it anyway: a cluster's login node, the build test)."""
+    wanted = os.environ.get("GELU_EXT_CUDA", "auto")
+    if torch.version.cuda is None or wanted == "0" or (wanted != "1" and not torch.cuda.is_available()):
         return None
     nvcc = shutil.which("nvcc")
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",

@@ -1,5 +1,6 @@
 """gelu_ext: both hand-written GELUs against F.gelu and gradcheck, the real C++ build, and a LeNet run."""
 
+import ast
 import subprocess
 import sys
 
@@ -108,17 +109,41 @@ def test_the_cuda_kernels_formula_matches_f_gelu_on_cpu(approximate, dtype):
     torch.testing.assert_close(torch.ops.gelu_ext.gelu_backward_scalar(g, x, approximate), xr.grad, atol=tol, rtol=tol)
 
 
-def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is():
+CUDA_BUILD_CHECK = """
+import torch, gelu_ext
+print(gelu_ext.cuda_implementation())
+for op in ("gelu_forward", "gelu_backward"):
+    print([line for line in torch._C._dispatch_dump(f"gelu_ext::{op}").splitlines() if line.startswith("CUDA:")])
+library = next(line.split()[-1] for line in open("/proc/self/maps") if "gelu_ext_cpp_" in line)
+print(library, b".nv_fatbin" in open(library, "rb").read())
+"""
+
+
+def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     """Build-only (no GPU here): with the CUDA toolkit, the extension holds device code for the course's GPUs and the
-    CUDA dispatch key runs gelu_cuda.cu's kernels, not the ATen-op fallback."""
+    CUDA dispatch key runs gelu_cuda.cu's kernels, not the ATen-op fallback. Without a GPU, `make setup` builds the
+    CPU variant only; GELU_EXT_CUDA=1 asks for the CUDA one (a fresh process: both register the same ops)."""
+    monkeypatch.setenv("GELU_EXT_CUDA", "1")
     if gelu_ext.cuda_toolkit() is None:
         pytest.skip("no CUDA toolkit (nvcc) or a CPU-only torch: the CPU build is the whole extension here")
-    assert gelu_ext.cuda_implementation() == "gelu_cuda.cu kernel"
-    for op in ("gelu_forward", "gelu_backward"):
-        cuda = [line for line in torch._C._dispatch_dump(f"gelu_ext::{op}").splitlines() if line.startswith("CUDA:")]
+    out = subprocess.run([sys.executable, "-c", CUDA_BUILD_CHECK], cwd=gelu_ext.SOURCE.parent.parent,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    implementation, forward, backward, library = out.stdout.strip().splitlines()[-4:]
+    assert implementation == "gelu_cuda.cu kernel"
+    for cuda in (ast.literal_eval(forward), ast.literal_eval(backward)):
         assert len(cuda) == 1 and "gelu_cuda.cu" in cuda[0], cuda
-    library = next(line.split()[-1] for line in open("/proc/self/maps") if "gelu_ext_cpp_" in line)
-    assert library.endswith("_cuda.so") and b".nv_fatbin" in open(library, "rb").read()
+    assert library.split()[0].endswith("_cuda.so") and library.split()[1] == "True"
+
+
+def test_a_machine_without_a_gpu_builds_the_cpu_variant_only(monkeypatch):
+    """What `make setup` builds on a machine with nvcc but no GPU: the kernel could not run there."""
+    monkeypatch.delenv("GELU_EXT_CUDA", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gelu_ext.cuda_toolkit() is None and not gelu_ext.build_plan()[0].endswith("_cuda")
+    monkeypatch.setenv("GELU_EXT_CUDA", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gelu_ext.cuda_toolkit() is None
 
 
 def test_missing_compiler_is_one_clear_error(monkeypatch):

@@ -1086,6 +1086,8 @@ def test_float32_attention_trains_as_bf16_attention_and_exports_plain_sdpa(tmp_p
     assert losses(tmp_path, "f32") == pytest.approx(losses(tmp_path, "bf16"), rel=2e-2)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "f32" / "hf")
     assert loaded.config._attn_implementation == "sdpa"
+    assert loaded.dtype == torch.bfloat16  # the run's training dtype: compared below in float32, on the same weights
+    loaded = loaded.float()
     cfg = gpt.resolve(gpt.Config(model="tiny", attention_precision="float32", precision="bf16-mixed"))
     ours = gpt.build_model(cfg)
     assert ours.config._attn_implementation == gpt_model.SDPA_FLOAT32
