@@ -70,14 +70,31 @@ def cpu_matmul_peak(precision: str, n: int = 1024, seconds: float = 0.5) -> tupl
     datasheet figure that counts threads, frequency and AMX/AVX-512 alike. For 16-bit autocast the best of the paths
     the run's matmuls may take: GPT-2's Conv1D runs `addmm`, which on a CPU without bf16 instructions can be 20x
     faster than a bf16 `matmul`, and autocast keeps some products in float32; a peak from one slow path made
-    utilizations of 160-708% (an AVX2 CPU). MFU is against the fastest, so it stays a share."""
+    utilizations of 160-708% (an AVX2 CPU). MFU is against the fastest, so it stays a share. Measured once per
+    machine, precision and thread count (cpu_probe's cache): on that AVX2 CPU it took 20 s of every bf16 run."""
+    import cpu_probe
+
+    settings = {"precision": dtype_kind(precision), "threads": torch.get_num_threads(), "n": n, "seconds": seconds}
+    return tuple(cpu_probe.cached("matmul_peak", settings, lambda: list(_measure_matmul_peak(precision, n, seconds))))
+
+
+def _measure_matmul_peak(precision: str, n: int, seconds: float) -> tuple[float, str]:
     a32, b32 = torch.randn(n, n), torch.randn(n, n)
     if dtype_kind(precision) != "bf16":
         return _rate(lambda: a32 @ b32, n, seconds), "float32 matmul"
-    a16, b16, bias = a32.bfloat16(), b32.bfloat16(), torch.zeros(n, dtype=torch.bfloat16)
-    paths = {"bf16 addmm": lambda: torch.addmm(bias, a16, b16), "bf16 matmul": lambda: a16 @ b16,
-             "float32 matmul": lambda: a32 @ b32}
-    rates = {name: _rate(fn, n, seconds / len(paths)) for name, fn in paths.items()}
+    bias = torch.zeros(n, dtype=torch.bfloat16)
+    paths = {"bf16 addmm": lambda a, b: torch.addmm(bias[:a.shape[1]], a, b), "bf16 matmul": lambda a, b: a @ b,
+             "float32 matmul": None}
+    rates = {}
+    for name, fn in paths.items():
+        if fn is None:
+            rates[name] = _rate(lambda: a32 @ b32, n, seconds / len(paths))
+            continue
+        # an emulated path (no bf16 instructions) takes seconds a call at n = 1024: measured on a quarter of it
+        small = _rate(lambda: fn(a32[:256, :256].bfloat16(), b32[:256, :256].bfloat16()), 256, 0.02)
+        m = n if small > 2e9 else 256
+        a, b = a32[:m, :m].bfloat16(), b32[:m, :m].bfloat16()
+        rates[name] = _rate(lambda: fn(a, b), m, seconds / len(paths))
     best = max(rates, key=rates.get)
     return rates[best], f"best of {', '.join(rates)}: {best}"
 

@@ -52,14 +52,19 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
     stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte"))]
     from fabric_lenet import ACTIVATIONS  # relu, LeNet-5's default, first
 
-    for act in ACTIVATIONS:
+    def lenet(act: str) -> Stage:
         name = f"lab-lenet-{act}"
-        stages.append(Stage(f"lenet-{act}", ["fabric_lenet.py", "--activation", act, "--run-name", name, "--out-dir", runs,
-                                             "--data-dir", data_dir],
-                            f"{name}/{RECORD}", resumable_run=name))
-    stages += [Stage("gelu-check", ["-m", "gelu_ext", "check", "--out", runs / "gelu"], "gelu/check.json"),
-               Stage("bench-gelu", ["-m", "gelu_ext", "bench", "--out", runs / "gelu"], "gelu/bench.json"),
-               Stage("bench-lenet", ["bench.py", "--out-dir", runs, "--keep", "lenet"], "bench-lenet/bench.json")]
+        return Stage(f"lenet-{act}", ["fabric_lenet.py", "--activation", act, "--run-name", name, "--out-dir", runs,
+                                      "--data-dir", data_dir], f"{name}/{RECORD}", resumable_run=name)
+
+    # A newcomer's order: LeNet-5 as the README trains it, the hand-written GELU checked, then the GELU runs and the
+    # benchmarks. bench-lenet takes the lenet-relu run as its seed 0 of the default recipe (the same training) and
+    # runs one more seed of each recipe; `make bench-lenet` runs five.
+    stages += [lenet(ACTIVATIONS[0]), Stage("gelu-check", ["-m", "gelu_ext", "check", "--out", runs / "gelu"], "gelu/check.json")]
+    stages += [lenet(act) for act in ACTIVATIONS[1:]]
+    stages += [Stage("bench-gelu", ["-m", "gelu_ext", "bench", "--out", runs / "gelu"], "gelu/bench.json"),
+               Stage("bench-lenet", ["bench.py", "--out-dir", runs, "--keep", "lenet", "--seeds", "2", "--default-run",
+                                     runs / f"lab-lenet-{ACTIVATIONS[0]}"], "bench-lenet/bench.json")]
     # sized to the hardware: the tiny model on CPU processes, the course's 1.6B model on the visible GPUs
     model, devices = ("1.6b", gpus) if gpus else ("tiny", min(2, cores))
     gpt = ["bench.py", "--out-dir", runs, "--keep", "gpt", "--model", model, "--devices", devices, "--accelerator", accelerator]
@@ -107,9 +112,10 @@ def lab(args) -> int:
     started = time.time()
     print(f"lab: {len(stages)} stages into {runs}/ (logs in {runs / LOGS}/); finished stages are skipped"
           f"{' -- FORCE: recomputing all' if args.force else ''}", flush=True)
+    print(f"lab: {expected_duration(stages, runs, args.force)}", flush=True)
     for i, stage in enumerate(stages, 1):
         tag = f"[{i}/{len(stages)}] {stage.name:<16}"
-        result = Path(stage.result) if Path(stage.result).is_absolute() else runs / stage.result
+        result = resolved(runs, stage)
         if stage.optional:
             write_json_atomic(runs / stage.name / "skipped.json", {"reason": stage.optional, "date": f"{datetime.now():%Y-%m-%d}"})
             print(f"{tag} skipped: {stage.optional}", flush=True)
@@ -135,8 +141,65 @@ def lab(args) -> int:
                   "are kept: run `make lab` again to continue" + ("" if stopped else f" once the cause is fixed (log {log})"))
             return code if code > 0 else 130
         print(f"{tag} done in {time.time() - t0:.0f} s -> {result}", flush=True)
+        record_timing(runs, stage.name, time.time() - t0, resumed="--resume" in command)
     print(f"lab: all stages finished in {time.time() - started:.0f} s; the report is {args.report_dir}/REPORT.md", flush=True)
     return 0
+
+
+# ----------------------------------------------------------------------------- how long it takes
+# Each stage's seconds in a whole `make lab` on REFERENCE_CPU (2 cores, no GPU, 2026-11-26), and that CPU's float32
+# matmul rate there (accounting.cpu_matmul_peak): elsewhere the stages are scaled by the rate this machine measures,
+# a rough guess; once a lab has timed its stages here (runs/lab/timings.json), those times are the estimate.
+REFERENCE_CPU = "AMD EPYC (Zen 3, AVX2, no AVX-512/bf16)"
+REFERENCE_FLOPS = 50e9
+REFERENCE_SECONDS = {"data": 5, "lenet-relu": 150, "gelu-check": 20, "lenet-gelu_torch": 150, "lenet-gelu_py": 150,
+                     "lenet-gelu_cpp": 150, "bench-gelu": 30, "bench-lenet": 240, "bench-gpt": 420, "gpu-check": 0,
+                     "report": 20}
+TIMINGS = "lab/timings.json"  # under --runs
+
+
+def expected_duration(stages: list, runs: Path, force: bool) -> str:
+    """The line the lab starts with: how long the stages still to run should take on this machine, and whence."""
+    from bench import cpu_label
+
+    timed = read_json(runs / TIMINGS)
+    here = timed.get("cpu") == cpu_label()
+    todo = [s for s in stages if not s.optional and (force or s.always or not resolved(runs, s).exists())]
+    if here and all(s.name in timed["seconds"] for s in todo):
+        seconds, how = sum(timed["seconds"][s.name] for s in todo), f"as the stages took here before ({runs / TIMINGS})"
+    else:
+        import accounting
+
+        scale = REFERENCE_FLOPS / accounting.cpu_matmul_peak("32-true")[0]
+        seconds = sum(timed["seconds"].get(s.name) if here and s.name in timed["seconds"] else
+                      REFERENCE_SECONDS.get(s.name, 60) * scale for s in todo)
+        how = f"the stages' times on an {REFERENCE_CPU}, scaled by this CPU's measured matmul rate ({1 / scale:.2f}x)"
+    return f"{len(todo)} stage(s) to run, expected to take about {seconds / 60:.0f} min on this machine ({how})"
+
+
+def record_timing(runs: Path, stage: str, seconds: float, resumed: bool) -> None:
+    """A stage's time on this machine, for the next lab's estimate (a continued run's time is only its remainder)."""
+    from bench import cpu_label
+
+    timed = read_json(runs / TIMINGS)
+    if timed.get("cpu") != cpu_label():
+        timed = {"cpu": cpu_label(), "seconds": {}}
+    if not resumed:
+        timed["seconds"][stage] = round(seconds, 1)
+        write_json_atomic(runs / TIMINGS, timed)
+
+
+def read_json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"seconds": {}}
+
+
+def resolved(runs: Path, stage: Stage) -> Path:
+    return Path(stage.result) if Path(stage.result).is_absolute() else runs / stage.result
 
 
 def has_checkpoint(runs: Path, stage: Stage) -> bool:

@@ -86,10 +86,11 @@ def use_venv_libaio() -> None:
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the op needs libaio.so.1: once loaded, found by name
 
 
-# What `make setup` compiles: the ops a CPU run of DeepSpeed loads first (its shared-memory collectives at every
-# multi-process start, CPU Adam for any offload). NVMe offload's async I/O and pinned-memory ops are built by the
-# first --nvme-path run instead, with a line saying so: few runs need them and they would double the set-up.
-SETUP_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+# What `make setup` compiles: the op every multi-process DeepSpeed run on CPU loads (its shared-memory collectives).
+# The others are built by the first run that needs them, with a line saying so (CPU Adam: ZeRO-Offload; async I/O
+# and pinned memory: --nvme-path): few runs need them, and each would add a minute or more to the set-up.
+SETUP_OPS = ("ShareMemCommBuilder",)
+OFFLOAD_OPS = ("CPUAdamBuilder",)
 NVME_OPS = ("AsyncIOBuilder", "PinMemoryBuilder")
 
 
@@ -118,6 +119,15 @@ def build_cpu_ops(names=SETUP_OPS) -> None:
                               cwd=Path(__file__).parent) for name in names]
     if any(p.wait() for p in procs):
         sys.exit("error: a DeepSpeed op build crashed (its output is above)")
+
+
+def build_offload_ops() -> None:
+    """CPU Adam for a ZeRO-Offload run, compiled before the ranks start when `make setup` left it out."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not op_is_built("cpu_adam"):
+        print("note: building DeepSpeed's CPU Adam for ZeRO-Offload, once (make setup leaves it to the first offload "
+              "run)", flush=True)
+        build_cpu_ops(OFFLOAD_OPS)
 
 
 def op_is_built(name: str) -> bool:
@@ -218,6 +228,8 @@ def make_strategy(cfg, on_gpu: bool):
     if L.deepspeed:
         from lightning.fabric.strategies import DeepSpeedStrategy
 
+        if L.offload and not on_gpu:
+            build_offload_ops()  # before the ranks start, where `make setup` left it out
         strategy = DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
         # where zero.Init puts each partition as the model is built: straight to its offload target
         strategy.remote_device = "nvme" if cfg.nvme_path else None  # None: the device (on a CPU: host memory)

@@ -157,3 +157,16 @@ def test_export_variants_and_l40s_have_peaks():
 
     assert accounting.gpu_chip("NVIDIA H800") == "h100 sxm" and accounting.gpu_chip("NVIDIA A800-SXM4-80GB") == "a100"
     assert accounting.gpu_chip("NVIDIA L40S") == "l40s" and accounting.gpu_chip("NVIDIA B200") is None
+
+
+def test_an_op_make_setup_left_out_is_built_before_the_ranks_start_with_a_line(monkeypatch, capsys):
+    """make setup builds DeepSpeed's shared-memory op only; CPU Adam is compiled by the first ZeRO-Offload run (the
+    real build runs in the offload tests of a fresh checkout), once, with one line saying so."""
+    built = []
+    monkeypatch.setattr(strategies, "op_is_built", lambda name: name in built)
+    monkeypatch.setattr(strategies, "build_cpu_ops", lambda names: built.extend(
+        {"CPUAdamBuilder": "cpu_adam"}[n] for n in names))
+    strategies.build_offload_ops()
+    strategies.build_offload_ops()
+    assert built == ["cpu_adam"] and capsys.readouterr().out.count("building DeepSpeed's CPU Adam") == 1
+    assert "CPUAdamBuilder" not in strategies.SETUP_OPS and "AsyncIOBuilder" in strategies.NVME_OPS

@@ -354,8 +354,9 @@ def test_bad_text_input_ends_in_one_message(tmp_path, text_dir, args, message):
     write(tmp_path / "binary.bin", bytes(range(256)))
     write(tmp_path / "short.txt", "to be or not to be, that is the question\n" * 4)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    proc = run_script("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "1", "--out-dir", tmp_path, *args,
-                      check=False)
+    # main() in this process (a traceback would fail the test here); the command line's own path: test_flags.py
+    proc = run_in_process("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "1", "--out-dir", tmp_path, *args,
+                          check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not list(tmp_path.glob("gpt-*"))  # refused before any run folder
 
