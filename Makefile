@@ -96,7 +96,7 @@ tb: $(SETUP) ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
 test: $(SETUP) ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
 	$(PY) -m pytest tests $(ARGS)
 
-test-fast: $(SETUP) ## the single-process tests only (no multi-process or DeepSpeed runs), for development
+test-fast: $(SETUP) ## the tests not marked slow (no run in a process of its own, no DeepSpeed), for development
 	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
 gelu-check: $(SETUP) ## compare the Python and C++ GELU with F.gelu, plus gradcheck

@@ -75,7 +75,7 @@ def cpu_matmul_peak(precision: str, n: int = 1024, seconds: float = 0.5) -> tupl
     import cpu_probe
 
     settings = {"precision": dtype_kind(precision), "threads": torch.get_num_threads(), "n": n, "seconds": seconds}
-    return tuple(cpu_probe.cached("matmul_peak", settings, lambda: list(_measure_matmul_peak(precision, n, seconds))))
+    return tuple(cpu_probe.cached_unlocked("matmul_peak", settings, lambda: list(_measure_matmul_peak(precision, n, seconds))))
 
 
 def _measure_matmul_peak(precision: str, n: int, seconds: float) -> tuple[float, str]:

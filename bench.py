@@ -136,6 +136,8 @@ def default_recipe_run(folder: str) -> bool:
     from run_state import same_experiment
 
     record, cfg = read_record(Path(folder)) if folder else None, fabric_lenet.Config()
+    if record and cfg.precision == "auto":  # what --precision auto chose here, as it would choose again (cached)
+        cfg.precision = record.get("config", {}).get("precision", cfg.precision)
     return bool(record) and record.get("kind") == "lenet" and record.get("device") == "cpu" and same_experiment(
         record.get("config", {}), cfg, "lenet", {}) and fabric_lenet.reached_its_end(record, cfg)
 
@@ -388,8 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     lenet.add_argument("--seeds", type=number(int, min=1, max=1000), default=5, help="seeds of the default and the "
                        "short recipe (default: 5)")
     lenet.add_argument("--default-run", default="", type=Folder(optional=True), help="a finished run of the default "
-                       "recipe at seed 0 to take as default_seed0 instead of training it again (make lab: its "
-                       "lenet-relu stage; ignored when its settings differ)")
+                       "recipe at seed 0, taken as default_seed0 (make lab's lenet-relu) unless its settings differ")
     lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags, after -- (checked by its parser)")
     lenet.set_defaults(func=bench_lenet)
     gpt = sub.add_parser("gpt", help="GPT-2: strategies x precisions on equal data", description=bench_gpt.__doc__,

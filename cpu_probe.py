@@ -83,6 +83,29 @@ def stored_or_measured(path: Path, name: str, measure) -> tuple[dict, bool]:
     return entry, False
 
 
+def cached_unlocked(kind: str, settings: dict, measure):
+    """As cached(), for a measurement of a second or so taken inside any process, a minimal job that a locked
+    measurement runs included: measured without waiting for the lock, and stored only when the lock is free."""
+    value = cached(kind, settings, None, allow_measure=False)
+    if value is not None:
+        return value
+    value = measure()
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a measurement is running (perhaps this process's parent): the next run stores it
+            return value
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        name = json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
+        write_json_atomic(path, {**cache, name: {"value": value, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}})
+    return value
+
+
 def rank_threads(devices: int) -> int:
     """The intra-op threads one rank gets: all of them alone, an equal share when Fabric starts several (as
     Lightning sets them for CPU processes), OMP_NUM_THREADS when set."""

@@ -150,11 +150,11 @@ def lab(args) -> int:
 # Each stage's seconds in a whole `make lab` on REFERENCE_CPU (2 cores, no GPU, 2026-11-26), and that CPU's float32
 # matmul rate there (accounting.cpu_matmul_peak): elsewhere the stages are scaled by the rate this machine measures,
 # a rough guess; once a lab has timed its stages here (runs/lab/timings.json), those times are the estimate.
-REFERENCE_CPU = "AMD EPYC (Zen 3, AVX2, no AVX-512/bf16)"
-REFERENCE_FLOPS = 50e9
-REFERENCE_SECONDS = {"data": 5, "lenet-relu": 150, "gelu-check": 20, "lenet-gelu_torch": 150, "lenet-gelu_py": 150,
-                     "lenet-gelu_cpp": 150, "bench-gelu": 30, "bench-lenet": 240, "bench-gpt": 420, "gpu-check": 0,
-                     "report": 20}
+REFERENCE_CPU = "AMD EPYC, 2 cores (Zen 3, AVX2 only: bf16 emulated)"
+REFERENCE_FLOPS = 129e9
+REFERENCE_SECONDS = {"data": 4, "lenet-relu": 154, "gelu-check": 6, "lenet-gelu_torch": 171, "lenet-gelu_py": 192,
+                     "lenet-gelu_cpp": 122, "bench-gelu": 83, "bench-lenet": 251, "bench-gpt": 880, "gpu-check": 0,
+                     "report": 12}  # bench-gpt: 20 cases 470 s, then cpu_probe's first measurements 408 s
 TIMINGS = "lab/timings.json"  # under --runs
 
 

@@ -142,7 +142,8 @@ def read_summary(run_dir: Path) -> dict:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: multi-process, DeepSpeed or large-model runs; `make test-fast` leaves them out")
+    config.addinivalue_line("markers", "slow: multi-process, signalled, DeepSpeed or large-model runs (a run in a process "
+                            "of its own); `make test-fast` leaves them out, `make test` runs them")
 
 
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")

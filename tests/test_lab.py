@@ -36,6 +36,7 @@ def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path,
     assert [p.name for p in (tmp_path / "runs" / "lab" / "logs").iterdir()] == ["data.log"]  # nothing else started
 
 
+@pytest.mark.slow  # a run in a process of its own
 def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path, capsys):
     runs, report = tmp_path / "runs", tmp_path / "report"
     args = ["--runs", runs, "--data-dir", mnist_dir, "--report-dir", report, "--stages",
@@ -108,3 +109,43 @@ def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
     changed = {k for k in default if config[k] != default[k]}
     assert changed <= {"run_name", "out_dir", "data_dir", "resume", "precision"} and config["resume"] == "auto", changed
     assert steps_per_epoch(60_000, Config(), 1) > 100  # the default run had most of its steps still to go
+
+
+def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path, monkeypatch):
+    """Before its first stage: the stages still to run, from the reference CPU's times scaled by this CPU's measured
+    matmul rate, and, once a lab has timed its stages on this CPU, from those times (finished stages count 0)."""
+    import accounting
+
+    monkeypatch.setattr(accounting, "cpu_matmul_peak", lambda precision: (lab.REFERENCE_FLOPS / 2, "float32 matmul"))
+    stages = lab.lab_stages(tmp_path, str(tmp_path / "data"), "report")
+    todo = [s for s in stages if not s.optional]
+    guess = lab.expected_duration(stages, tmp_path, force=False)
+    minutes = 2 * sum(lab.REFERENCE_SECONDS[s.name] for s in todo) / 60
+    assert f"{len(todo)} stage(s) to run" in guess and f"about {minutes:.0f} min" in guess and "(0.50x)" in guess
+    for s in todo:
+        lab.record_timing(tmp_path, s.name, 60.0, resumed=False)
+    lab.record_timing(tmp_path, "lenet-relu", 1.0, resumed=True)  # a continued run's remainder is not its time
+    (tmp_path / "lab-lenet-relu").mkdir()
+    (tmp_path / "lab-lenet-relu" / "record.json").write_text("{}")  # finished: nothing left to time
+    timed = lab.expected_duration(stages, tmp_path, force=False)
+    assert f"{len(todo) - 1} stage(s) to run" in timed and f"about {len(todo) - 1} min" in timed
+    assert "as the stages took here before" in timed
+
+
+def test_bench_lenet_takes_a_finished_default_run_as_its_seed_0_only_when_it_is_one(tmp_path):
+    """The lab's lenet-relu run is the bench's default_seed0 (the same training); another recipe, an unfinished run
+    or another device is trained again."""
+    import bench
+
+    cfg = Config()
+    whole = cfg.epochs * steps_per_epoch(60_000, cfg, 1)
+    # as a run records it: --precision auto resolved to what it chose on this CPU
+    config = {"kind": "lenet", **dataclasses.asdict(cfg), "precision": "32-true"}
+    record = {"kind": "lenet", "device": "cpu", "steps": whole, "config": config}
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    assert bench.default_recipe_run(str(tmp_path))
+    for changed in ({"steps": whole - 1}, {"device": "cuda:0"}, {"config": {**record["config"], "lr": 1e-3}},
+                    {"config": {**record["config"], "seed": 1}}):
+        (tmp_path / "record.json").write_text(json.dumps({**record, **changed}))
+        assert not bench.default_recipe_run(str(tmp_path)), changed
+    assert not bench.default_recipe_run("") and not bench.default_recipe_run(str(tmp_path / "none"))

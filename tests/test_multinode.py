@@ -147,6 +147,7 @@ def test_one_rule_says_what_launched_a_process(monkeypatch, env, started_by, sev
             ranks.check_launcher(2, 1, "fabric_gpt.py")
 
 
+@pytest.mark.slow  # a run in a process of its own
 def test_a_run_fabric_launched_records_fabric_as_its_launcher(tmp_path):
     """Fabric sets MASTER_ADDR and NODE_RANK in rank 0 too: the record still says Fabric started the run."""
     run_script("fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",

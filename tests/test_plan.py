@@ -162,6 +162,7 @@ def test_the_minimal_job_keeps_the_runs_strategy_and_is_accepted(strategy):
     assert minimal.num_samples % gpt.samples_per_step(minimal) == 0
 
 
+@pytest.mark.slow  # a run in a process of its own
 def test_a_cpu_plan_is_its_measured_parts_and_speaks_of_this_cpu(tmp_path):
     """--plan --accelerator cpu plans this CPU (not the A100 preset) from its measurements: the strategy's step on
     the minimal model run for real, the work of the shape, the optimizer sweep and the link's bytes add up to the

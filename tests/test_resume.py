@@ -44,6 +44,7 @@ def reference(mnist_dir, tmp_path_factory):
     return out / "ref"
 
 
+@pytest.mark.slow  # a run in a process of its own
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGUSR1])
 def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
     """Killed, stopped with Ctrl-C, or (in a SLURM job) asked to requeue: the run resumes to the uninterrupted one."""
