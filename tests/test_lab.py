@@ -125,6 +125,7 @@ def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path
     for s in todo:
         lab.record_timing(tmp_path, s.name, 60.0, resumed=False)
     lab.record_timing(tmp_path, "lenet-relu", 1.0, resumed=True)  # a continued run's remainder is not its time
+    assert lab.read_json(tmp_path / lab.TIMINGS)["seconds"]["lenet-relu"] == 60.0
     (tmp_path / "lab-lenet-relu").mkdir()
     (tmp_path / "lab-lenet-relu" / "record.json").write_text("{}")  # finished: nothing left to time
     timed = lab.expected_duration(stages, tmp_path, force=False)
