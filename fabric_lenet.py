@@ -26,14 +26,13 @@ import datasets_local
 import flags
 import lenet_figures
 from flags import ConfigError, opt, requeue_flag, resume_flag
-from gelu_ext import IMPLS, GeluBuildError
+from gelu_ext import ACTIVATIONS, GeluBuildError
 from hardware import check_hardware, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
 from layout import layout
 from ranks import check_launcher, launch, take_fabric_run_settings
 from run_state import Progress, Run, exits, find_run
 from step_watch import LossWatch, StepTimer, progress_bar
 
-ACTIVATIONS = ("relu", *(f"gelu_{impl}" for impl in IMPLS))  # gelu_torch: F.gelu; gelu_py, gelu_cpp: gelu_ext/
 STRATEGIES = ("auto", "ddp", "dp")
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true")
 

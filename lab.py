@@ -50,7 +50,7 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
     accelerator = "cuda" if gpus else "cpu"
     cores = os.cpu_count() or 1
     stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte"))]
-    from fabric_lenet import ACTIVATIONS  # relu, LeNet-5's default, first
+    from gelu_ext import ACTIVATIONS  # relu, LeNet-5's default, first
 
     def lenet(act: str) -> Stage:
         name = f"lab-lenet-{act}"

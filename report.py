@@ -158,7 +158,7 @@ def lenet_confusion(rep: Report, s: dict) -> None:
 
 
 def lenet_activations(rep: Report, complete: list[Path]) -> None:
-    from fabric_lenet import ACTIVATIONS
+    from gelu_ext import ACTIVATIONS
 
     rep.add("### Activations compared", "", "The newest finished run of each activation:", "",
             "| activation | run | test acc | epochs | train s | samples/s |", "|---|---|---|---|---|---|")

@@ -19,6 +19,8 @@ from torch import nn
 
 APPROXIMATIONS = ("none", "tanh")
 IMPLS = ("torch", "py", "cpp")
+# the activations LeNet-5 takes (relu, its default, first): gelu_torch is F.gelu, gelu_py and gelu_cpp are these
+ACTIVATIONS = ("relu", *(f"gelu_{impl}" for impl in IMPLS))
 SOURCE = Path(__file__).with_name("gelu.cpp")
 CUDA_SOURCE = Path(__file__).with_name("gelu_cuda.cu")
 CUDA_ARCHS_WITHOUT_GPU = "8.0;9.0"  # no GPU to ask at build time: the course's A100 and the H100
