@@ -51,11 +51,14 @@ def machine_key() -> dict:
     return {"cpu": cpu_name(), "units": cpu_units(), "cores": os.cpu_count(), "caps": isa_caps(), "torch": torch.__version__}
 
 
+def entry_name(kind: str, settings: dict) -> str:
+    return json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
+
+
 def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
     """measure()'s result for (this machine, kind, settings): from the cache, else measured and added to it (None
     when allow_measure is False and nothing is cached)."""
-    path = cache_file()
-    name = json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
+    path, name = cache_file(), entry_name(kind, settings)
     if not allow_measure:  # a look-up: the file is replaced whole (atomic rename), so no lock is needed, and none is
         # taken: the minimal job that a measurement runs looks up its own estimate while its parent holds the lock
         try:
@@ -101,8 +104,8 @@ def cached_unlocked(kind: str, settings: dict, measure):
             cache = json.loads(path.read_text())
         except (OSError, ValueError):
             cache = {}
-        name = json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
-        write_json_atomic(path, {**cache, name: {"value": value, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}})
+        entry = {"value": value, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+        write_json_atomic(path, {**cache, entry_name(kind, settings): entry})
     return value
 
 
