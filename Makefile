@@ -94,7 +94,7 @@ tb: $(SETUP) ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
 	$(VENV)/bin/tensorboard --logdir $(RUNS) --host $(TB_HOST) --port $(TB_PORT)
 
 test: $(SETUP) ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n auto --dist worksteal $(ARGS)
 
 test-fast: $(SETUP) ## the tests not marked slow (no run in a process of its own, no DeepSpeed), for development
 	$(PY) -m pytest tests -m "not slow" $(ARGS)

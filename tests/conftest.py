@@ -15,8 +15,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-# cpu_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache)
-os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")
+# cpu_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
+# pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")
 
 
 def mirror_dir() -> Path | None:
@@ -37,6 +39,27 @@ def mnist_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mnist")
     datasets_local.download(root, str(mirror), quiet=True)
     return root
+
+
+def shared_dir(tmp_path_factory, name: str, make) -> Path:
+    """A folder that `make(folder)` fills once per suite run, whichever pytest-xdist worker asks first: the others
+    wait on its lock and read it (the runs that parity, resume and plan tests compare with, made once, not once per
+    worker). Tests copy from it and never write into it."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared"
+    root.mkdir(exist_ok=True)
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"{name}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            folder.mkdir()
+            make(folder)
+            (root / f"{name}.done").touch()
+    return folder
 
 
 def run_script(*args, timeout=600, check=True, env=None) -> subprocess.CompletedProcess:
@@ -144,6 +167,12 @@ def read_summary(run_dir: Path) -> dict:
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process, signalled, DeepSpeed or large-model runs (a run in a process "
                             "of its own); `make test-fast` leaves them out, `make test` runs them")
+    config.addinivalue_line("markers", "builds: compiles an op that `make setup` leaves to its first use (minutes in a "
+                            "fresh checkout); started first, so that its compiler runs beside the rest of the suite")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.get_closest_marker("builds") is None)  # stable: otherwise in file order
 
 
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run_script
+from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run_script, shared_dir
 import accounting
 import comm_counter
 import fabric_gpt as gpt
@@ -80,31 +80,25 @@ def test_1_6b_preset_parameter_count():
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One process, SGD, the reference every strategy is compared with; also proves it learns."""
-    out = tmp_path_factory.mktemp("single")
-    run_gpt(out, "single", "--micro-batch-size", "4", base=EXACT)
-    return out, "single"
+    make = lambda out: run_gpt(out, "single", "--micro-batch-size", "4", base=EXACT)
+    return shared_dir(tmp_path_factory, "gpt-single", make), "single"
 
 
 @pytest.fixture(scope="module")
 def single_adamw(tmp_path_factory):
     """One process with AdamW and clipping, the reference of the offload runs (DeepSpeed's CPU Adam)."""
-    out = tmp_path_factory.mktemp("single_adamw")
-    run_gpt(out, "one", "--micro-batch-size", "4", "--lr", "3e-3")  # as OFFLOAD
-    return out, "one"
+    make = lambda out: run_gpt(out, "one", "--micro-batch-size", "4", "--lr", "3e-3")  # as OFFLOAD
+    return shared_dir(tmp_path_factory, "gpt-single-adamw", make), "one"
 
 
 @pytest.fixture(scope="module")
 def two_process(tmp_path_factory):
     """Runs on 2 processes by strategy, made once and shared by the parity and resume tests."""
-    out, done = tmp_path_factory.mktemp("two"), set()
-
     def get(name):
-        if name not in done:
-            strategy = name.removesuffix("_gpipe")
-            run_gpt(out, name, "--strategy", strategy, "--devices", "2", *TWO_PROCESS[name], "--count-comms",
-                    "--checkpoint-every", "2", "--keep-last", "6", base=EXACT)  # its mid-run checkpoints are resumed
-            done.add(name)
-        return out, name
+        def make(out):
+            run_gpt(out, name, "--strategy", name.removesuffix("_gpipe"), "--devices", "2", *TWO_PROCESS[name],
+                    "--count-comms", "--checkpoint-every", "2", "--keep-last", "6", base=EXACT)  # resumed mid-run
+        return shared_dir(tmp_path_factory, f"gpt-two-{name}", make), name
     return get
 
 
@@ -179,17 +173,16 @@ def test_a_steady_step_is_counted_whatever_the_warm_up(tmp_path, strategy, args)
 def offload_run(tmp_path_factory):
     """Uninterrupted 2-process ZeRO-Offload runs, each made once: compared with one process, and the ZeRO-3 one
     also with a stopped and resumed run."""
-    out = tmp_path_factory.mktemp("offload")
-
     def get(strategy: str):
-        if not (out / strategy / "record.json").exists():
+        def make(out):
             run_gpt(out, strategy, "--strategy", strategy, *OFFLOAD, "--count-comms", "--checkpoint-every", "2",
                     "--keep-last", "6")  # its mid-run checkpoint is resumed
-        return out, strategy
+        return shared_dir(tmp_path_factory, f"gpt-{strategy}", make), strategy
     return get
 
 
 @pytest.mark.slow
+@pytest.mark.builds  # DeepSpeed's CPU Adam
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
 def test_offload_equals_one_process(single_adamw, offload_run, strategy):
     """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process."""
@@ -205,6 +198,7 @@ SWAPPED = ["--n-embd", "128", "--n-layer", "4", "--lr", "3e-3"]
 
 
 @pytest.mark.slow
+@pytest.mark.builds  # DeepSpeed's async I/O and pinned-memory ops
 def test_nvme_offload_equals_one_process(tmp_path):
     """ZeRO-Infinity: each rank's float32 partition and AdamW's two moments live in files under --nvme-path
     (here on the test's disk), swapped in and out every step through DeepSpeed's libaio op."""

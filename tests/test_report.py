@@ -8,7 +8,7 @@ import shutil
 import matplotlib.image
 import pytest
 
-from conftest import run_in_process, run_script
+from conftest import run_in_process, run_script, shared_dir
 
 import bench
 import report
@@ -30,14 +30,16 @@ def bench_lenet_in_process(runs, mnist_dir):
 
 @pytest.fixture(scope="module")
 def runs(mnist_dir, tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
+    return shared_dir(tmp_path_factory, "report-runs", lambda runs: make_runs(runs, mnist_dir))
+
+
+def make_runs(runs, mnist_dir):
     run_in_process("fabric_lenet.py", "--epochs", "1", "--train-samples", "12000", "--data-dir", mnist_dir,
                "--out-dir", runs, "--run-name", "lenet-short")
     run_script("-m", "gelu_ext", "check", "--out", runs / "gelu")
     run_script("bench.py", "--out-dir", runs, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
                "--num-samples", "32", "--strategies", "ddp", "--precisions", "32-true")
     bench_lenet_in_process(runs, mnist_dir)
-    return runs
 
 
 def figures(markdown: str) -> list[str]:

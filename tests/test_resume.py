@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_summary, run_in_process, run_script, wait_for_checkpoint
+from conftest import REPO, read_summary, run_in_process, run_script, shared_dir, wait_for_checkpoint
 
 # 2 epochs of 235 steps (batch 128); a checkpoint every 40 steps; default precision (bf16 autocast) and augmentation.
 ARGS = ["--epochs", "2", "--train-samples", "30000", "--batch-size", "128", "--checkpoint-every", "40", "--keep-last", "20",
@@ -39,9 +39,8 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(mnist_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    run_in_process("fabric_lenet.py", *ARGS, "--data-dir", mnist_dir, "--out-dir", out, "--run-name", "ref")
-    return out / "ref"
+    make = lambda out: run_in_process("fabric_lenet.py", *ARGS, "--data-dir", mnist_dir, "--out-dir", out, "--run-name", "ref")
+    return shared_dir(tmp_path_factory, "lenet-reference", make) / "ref"
 
 
 @pytest.mark.slow  # a run in a process of its own
