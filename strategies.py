@@ -71,8 +71,12 @@ VENV_LIBAIO = Path(sys.prefix) / "libaio" / "usr"
 # DeepSpeed compiles its ops into torch's extension cache, ~/.cache/torch_extensions unless told: one folder for
 # every checkout and venv of a machine, each of which then rebuilds the ops for its own paths, minutes during
 # which a run's other ranks give up at the rendezvous. Inside a venv (`make setup`) the ops live in the venv.
+# torch runs the `ninja` first on PATH, and two versions (a system's 1.11, requirements.txt's 1.13) each take the
+# other's build log for invalid and rebuild every op from scratch: the venv's ninja goes first, in every shell.
 if sys.prefix != sys.base_prefix:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    if (Path(sys.prefix) / "bin" / "ninja").exists() and not os.environ.get("PATH", "").startswith(f"{sys.prefix}/bin:"):
+        os.environ["PATH"] = f"{sys.prefix}/bin:{os.environ.get('PATH', '')}"
 
 
 def use_venv_libaio() -> None:

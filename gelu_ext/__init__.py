@@ -11,6 +11,7 @@ import fcntl
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -135,6 +136,10 @@ def load_cpp(verbose: bool = False) -> None:
         raise GeluBuildError(f"gelu_cpp needs a C++ compiler, and {compiler!r} was not found on PATH. "
                              "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
+
+    venv_bin = Path(sys.prefix) / "bin"  # its ninja, whatever the shell's PATH: another version rebuilds (strategies.py)
+    if (venv_bin / "ninja").exists() and not os.environ.get("PATH", "").startswith(f"{venv_bin}:"):
+        os.environ["PATH"] = f"{venv_bin}:{os.environ.get('PATH', '')}"
 
     name, sources, flags, cuda_flags, toolkit = build_plan()
     if toolkit:
