@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import warm_python
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 # cpu_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
@@ -63,9 +65,9 @@ def shared_dir(tmp_path_factory, name: str, make) -> Path:
 
 
 def run_script(*args, timeout=600, check=True, env=None) -> subprocess.CompletedProcess:
-    """Run a repository script in a fresh Python process, the way a user runs it."""
+    """Run a repository script in a process of its own, as `python script ...` (forked warm, tests/warm_python.py)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([warm_python.executable(), *map(str, args)], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
@@ -84,9 +86,9 @@ def start_node(node_rank: int, port: int, script: str, *args, log: Path, nnodes:
                join_timeout: int = 60) -> subprocess.Popen:
     """One "machine": a torchrun launcher with one process, meeting the others at a c10d rendezvous on
     127.0.0.1:port, with the script's --num-nodes/--devices to match (the README's multi-node command)."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [torchrun, "--nnodes", nnodes, "--node-rank", node_rank, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"join_timeout={join_timeout}", script, *args,
+    torchrun = Path(sys.executable).parent / "torchrun"  # its console script, run by the warm python
+    cmd = [warm_python.executable(), torchrun, "--nnodes", nnodes, "--node-rank", node_rank, "--nproc-per-node", 1,
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"join_timeout={join_timeout}", script, *args,
            "--num-nodes", nnodes, "--devices", 1]
     return subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_summary, run_in_process, run_script
+import warm_python
 import fabric_lenet
 import cpu_probe
 import lenet_figures
@@ -170,7 +171,7 @@ def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
     # Lightning's own launcher: `fabric run` gives accelerator, devices and strategy; the same run (fabric run sets
     # OMP_NUM_THREADS to 1 per process, so float32 sums may differ in the last digits)
     fabric_run = Path(sys.executable).with_name("fabric")
-    proc = subprocess.run([fabric_run, "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+    proc = subprocess.run([warm_python.executable(), fabric_run, "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
                            "fabric_lenet.py", *map(str, common), "--run-name", "fabric-run"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_in_process, run_script
+import warm_python
 import bench
 import fabric_gpt as gpt
 import text_corpus as tc
@@ -200,7 +201,7 @@ def test_processes_that_start_together_prepare_once_and_share_it(tmp_path):
     corpus = write(tmp_path / "corpus.txt", SAMPLE_TEXT * 20)
     code = (f"import text_corpus as tc; p = tc.prepare({str(corpus)!r}, 'bpe', 400, {str(tmp_path / 'data')!r}); "
             "print(p.folder, p.tokenizer_sha256)")
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen([warm_python.executable(), "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs

@@ -1,0 +1,66 @@
+"""tests/warm_python.py, the suite's `python` with torch imported already: a command run through it behaves as under
+a real interpreter (arguments, output, exit status, signals, thread count), or is handed to one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+import warm_python
+
+SHOW = "import sys, torch; print(sys.argv[1:], sys.path[0], __name__, torch.get_num_threads()); print('err', file=sys.stderr)"
+
+
+def run(*args, env=None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([warm_python.executable(), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, **kw)
+
+
+def test_a_command_sees_what_a_real_interpreter_gives_it(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    warm, real = run(script, "a", "--b"), subprocess.run([sys.executable, script, "a", "--b"], capture_output=True,
+                                                          text=True, cwd=REPO)
+    assert (warm.returncode, warm.stdout, warm.stderr) == (real.returncode, real.stdout, real.stderr) == (
+        0, f"['a', '--b'] {tmp_path} __main__ {real.stdout.split()[-1]}\n", "err\n")
+    one = run(script, env={"OMP_NUM_THREADS": "1"})  # OpenMP reads it at load: applied as it would have been
+    assert one.stdout.split()[-1] == "1"
+
+
+def test_exit_codes_errors_and_deaths_by_signal_are_the_commands():
+    assert run("-c", "import sys; sys.exit(3)").returncode == 3
+    assert run("-c", "import sys; sys.exit('bad input')").stderr == "bad input\n"
+    failed = run("-c", "raise ValueError('boom')")
+    assert failed.returncode == 1 and failed.stderr.startswith("Traceback") and "warm_python" not in failed.stderr
+    assert run("-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)").returncode == -signal.SIGTERM
+    assert run("-m", "json.tool", "--help").stdout.startswith("usage: python -m json.tool")
+
+
+def test_signals_reach_the_command_and_sigkill_ends_it(tmp_path):
+    code = ("import signal, sys, time\nsignal.signal(signal.SIGUSR1, lambda *a: (print('usr1', flush=True), sys.exit(5)))\n"
+            "print('up', flush=True)\ntime.sleep(60)")
+    proc = subprocess.Popen([warm_python.executable(), "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.communicate(timeout=30)[0] == "usr1\n" and proc.returncode == 5
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen([warm_python.executable(), "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str("
+                             "os.getpid())); time.sleep(60)"])
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.02)
+    proc.kill()  # the client cannot forward SIGKILL: the server ends the command when its client is gone
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{pid_file.read_text()}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid_file.read_text()}")
+
+
+def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_interpreter():
+    nested = run("-c", "import subprocess, sys; print(subprocess.run([sys.executable, '-c', 'import sys; "
+                 "print(sys.executable)'], capture_output=True, text=True).stdout.strip())")
+    assert nested.stdout.strip() == warm_python.executable() != sys.executable
+    capped = run("-c", "import sys; print(sys.executable)", env={"ATEN_CPU_CAPABILITY": "default"})
+    assert capped.stdout.strip() == sys.executable  # read once by torch: a forked child would keep the server's

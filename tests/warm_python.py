@@ -1,0 +1,258 @@
+"""A Python for the suite's subprocesses that has torch, Lightning and transformers imported already.
+
+Every process a test starts (each rank of a 2-process run, each torchrun "machine") spent about 10 s of CPU on a
+2-core machine importing torch, Lightning, torchmetrics and transformers before its first line ran; the suite starts
+some two hundred. Here one server per pytest worker imports them once and forks a child per command, the way a
+DataLoader forks its workers from a process that has imported torch. `executable()` is a small client that takes the
+place of `python`: it hands its arguments, environment, working folder and standard streams to the server, which
+forks; the child runs the script as `python script.py ...` would (as `__main__`, with that sys.argv and sys.path), and
+the client forwards the signals it receives and exits as the child did (its code, or the same signal). The child's
+`sys.executable` is the client, so the ranks a run launches itself and torchrun's workers start warm too.
+
+What the child cannot take over from the server falls back to a real interpreter (the client execs it): interpreter
+options other than -u, -m and -c, and environment variables that libraries read once at import or load (instruction-
+set caps, thread and allocator settings, PYTHONPATH, Hugging Face's settings), when they differ from the server's.
+OMP_NUM_THREADS, which OpenMP reads at load, is applied with torch.set_num_threads, as it would have taken effect.
+Tests that signal a whole process group (a rank's own group differs here) start real interpreters. FABRIC_LAB_WARM=0
+turns all of it off.
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "psutil", "lightning.fabric",
+           "lightning.fabric.strategies", "lightning.fabric.loggers", "torchmetrics", "transformers",
+           "transformers.models.gpt2.modeling_gpt2", "safetensors.torch", "torch.utils.tensorboard")
+# read once, at import or library load, by what PRELOAD loads: a child whose value differs runs a real interpreter
+LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON", "HF_",
+             "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "XDG_CACHE_HOME")
+APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR"}  # applied per child, or read when used
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
+             signal.SIGCONT, signal.SIGALRM)
+
+CLIENT = """#!{python} -S
+# python, warm: see tests/warm_python.py
+import json, os, signal, socket, struct, sys
+args = sys.argv[1:]
+try:
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect({socket!r})
+    body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
+    conn.sendall(body)
+    reader = conn.makefile("r")
+    pid = int(reader.readline())
+except (OSError, ValueError):
+    pid = 0
+if pid <= 0:  # the server is gone or declined: a real interpreter, as if none of this existed
+    os.execv({python!r}, [{python!r}, *args])
+def forward(sig, _frame):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it ended meanwhile: its status follows
+        pass
+for sig in {signals}:
+    signal.signal(sig, forward)
+status = int(reader.readline())
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def executable() -> str:
+    """The `python` a test should start: the warm client once the server is up, the real one with FABRIC_LAB_WARM=0."""
+    global _client
+    if os.environ.get("FABRIC_LAB_WARM", "1") == "0":
+        return sys.executable
+    if _client is None:
+        _client = _start_server()
+    return _client
+
+
+_client = None
+
+
+def _start_server() -> str:
+    folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
+    sock = str(folder / "socket")
+    client = folder / "python"
+    client.write_text(CLIENT.format(python=sys.executable, socket=sock, signals=[int(s) for s in FORWARDED]))
+    client.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    server = subprocess.Popen([sys.executable, __file__, sock, str(client)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env=env)
+    if server.stdout.readline().strip() != b"ready":  # it said why on stderr
+        raise RuntimeError("tests/warm_python.py did not start; FABRIC_LAB_WARM=0 runs the suite without it")
+    _start_server.server = server  # its stdin closes with this process, and it exits then
+    return str(client)
+
+
+def declines(argv: list[str], env: dict) -> bool:
+    """Whether a real interpreter must run this command (see the module's docstring)."""
+    rest = list(argv)
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if not rest or (rest[0].startswith("-") and rest[0] not in ("-m", "-c")) or (rest[0] in ("-m", "-c") and len(rest) < 2):
+        return True
+    keys = {k for k in {*env, *START_ENV} if k.startswith(LOAD_TIME) and k not in APPLIED}
+    # a value the imports set themselves (a child's children inherit it) is what a fresh process gets too
+    return any(env.get(k) not in (START_ENV.get(k), os.environ.get(k)) for k in keys)
+
+
+START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
+
+
+def run_child(argv: list[str], env: dict, cwd: str) -> None:
+    """In the forked child: become `python argv...` and never return."""
+    import atexit
+    import io
+    import runpy
+    import threading
+    import traceback
+
+    import torch
+
+    for sig in range(1, signal.NSIG):
+        if sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGPIPE, 32, 33):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it
+    os.chdir(cwd)
+    imported = {k: v for k, v in os.environ.items() if k not in START_ENV}  # what the imports set, as they would have
+    os.environ.clear()
+    os.environ.update({**imported, **env})
+    unbuffered = argv[0] == "-u" or bool(env.get("PYTHONUNBUFFERED"))
+    while argv[0] == "-u":
+        argv = argv[1:]
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
+        stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
+                                  line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)), write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv, sys.path[0] = [argv[1], *argv[2:]], cwd
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            import types
+
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"], sys.argv, sys.path[0] = main, ["-c", *argv[2:]], ""
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        threading._shutdown()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # the traceback from the command's first frame on, as the interpreter prints it
+        tb = e.__traceback__
+        while tb and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1  # SIGINT: the interpreter ends by it
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def serve(sock_path: str, client: str) -> None:
+    """Import once, then fork a child per connection; report each child's pid and wait status to its client, and
+    kill a child whose client went away (a client killed by SIGKILL cannot forward it)."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+
+    if torch.cuda.is_initialized():  # CUDA cannot be used in a forked child
+        sys.exit("warm_python: CUDA was initialized on import; run with FABRIC_LAB_WARM=0")
+    sys.executable = client
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(sock_path)
+    listener.listen(64)
+    print("ready", flush=True)
+    children: dict[int, socket.socket] = {}  # pid -> its client's connection
+    while True:
+        waiting = [listener, sys.stdin, *children.values()]
+        readable, _, _ = select.select(waiting, [], [], 0.05)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):  # the suite ended
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            return
+        for pid, conn in list(children.items()):
+            if conn in readable and not conn.recv(1):
+                os.kill(pid, signal.SIGKILL)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"{status}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+        if listener in readable:
+            conn, _ = listener.accept()
+            try:
+                msg, fds, _, _ = socket.recv_fds(conn, 4, 3)
+                size, body = struct.unpack("!I", msg)[0], b""
+                while len(body) < size:
+                    body += conn.recv(size - len(body))
+                request = json.loads(body)
+            except (OSError, ValueError, struct.error):
+                conn.close()
+                continue
+            if declines(request["argv"], request["env"]):
+                conn.sendall(b"0\n")
+                conn.close()
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in children.values():
+                        other.close()
+                    conn.close()
+                    for target, fd in enumerate(fds):
+                        os.dup2(fd, target)
+                    for fd in fds:
+                        if fd > 2:
+                            os.close(fd)
+                    run_child(request["argv"], request["env"], request["cwd"])
+                conn.sendall(f"{pid}\n".encode())
+                children[pid] = conn
+            for fd in fds:
+                os.close(fd)
+
+
+if __name__ == "__main__":
+    serve(*sys.argv[1:])
