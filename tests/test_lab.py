@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import REPO, run_in_process
+import warm_python
 import lab
 from fabric_lenet import Config, steps_per_epoch
 
@@ -95,7 +96,8 @@ def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
     run_in_process("fabric_lenet.py", "--run-name", "lab-lenet-relu", "--out-dir", runs, "--data-dir", mnist_dir,
                    "--max-steps", "100", "--no-tb-images")
     (runs / "lab-lenet-relu" / "record.json").unlink()  # as if stopped after its checkpoint at step 100
-    proc = subprocess.Popen([sys.executable, "lab.py", "--runs", str(runs), "--data-dir", str(mnist_dir), "--report-dir",
+    proc = subprocess.Popen([warm_python.executable(), "lab.py", "--runs", str(runs), "--data-dir", str(mnist_dir),
+                             "--report-dir",
                              str(tmp_path / "report"), "--stages", "lenet-relu"], cwd=REPO, stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
     log, deadline = runs / "lab" / "logs" / "lenet-relu.log", time.time() + 120

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes, wait_for_checkpoint
+import warm_python
 from test_resume import assert_same_run
 
 import ranks
@@ -178,7 +179,8 @@ def test_torchrun_as_gpt_sbatch_documents_it_hands_slurms_signals_on(tmp_path):
     (tmp_path / "bin" / "scontrol").chmod(0o755)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "515",
            "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    command = [str(Path(sys.executable).parent / "torchrun"), "--signals-to-handle", handled, "--shutdown-timeout",
+    command = [warm_python.executable(), str(Path(sys.executable).parent / "torchrun"), "--signals-to-handle", handled,
+               "--shutdown-timeout",
                timeout, "--standalone", "--nproc-per-node", "2", "fabric_gpt.py", "--model", "tiny", "--dataset",
                "ramp", "--num-samples", "4000", "--micro-batch-size", "2", "--devices", "2", "--strategy", "ddp",
                "--accelerator", "cpu", "--steps", "40", "--out-dir", str(tmp_path), "--run-name", "tr",

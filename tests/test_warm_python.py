@@ -64,3 +64,18 @@ def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_i
     assert nested.stdout.strip() == warm_python.executable() != sys.executable
     capped = run("-c", "import sys; print(sys.executable)", env={"ATEN_CPU_CAPABILITY": "default"})
     assert capped.stdout.strip() == sys.executable  # read once by torch: a forked child would keep the server's
+
+
+def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):
+    """As a shell's job or srun's task: SIGTERM to the client's process group reaches the command and the process it
+    started (warm too, in the command's group), and SIGKILL to the group ends both."""
+    code = ("import signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (print('parent', flush=True), sys.exit(0)))\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time; signal.signal(signal.SIGTERM, "
+            "lambda *a: (print(\\'child\\', flush=True), sys.exit(0))); print(\\'up\\', flush=True); time.sleep(60)'])\n"
+            "time.sleep(60)")
+    proc = subprocess.Popen([warm_python.executable(), "-c", code], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout.readline() == "up\n"
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert sorted(proc.communicate(timeout=30)[0].split()) == ["child", "parent"] and proc.returncode == 0

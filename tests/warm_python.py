@@ -6,14 +6,17 @@ some two hundred. Here one server per pytest worker imports them once and forks 
 DataLoader forks its workers from a process that has imported torch. `executable()` is a small client that takes the
 place of `python`: it hands its arguments, environment, working folder and standard streams to the server, which
 forks; the child runs the script as `python script.py ...` would (as `__main__`, with that sys.argv and sys.path), and
-the client forwards the signals it receives and exits as the child did (its code, or the same signal). The child's
-`sys.executable` is the client, so the ranks a run launches itself and torchrun's workers start warm too.
+the client forwards the signals it receives and exits as the child did (its code, or the same signal). A client started
+as a process group of its own (`start_new_session`, as a shell starts a job, torchrun its workers) gets a child that
+leads its own group, and forwards to that group: a signal to the job reaches every process the command started, and
+SIGKILL to it ends them all. The child's `sys.executable` is the client, so the ranks a run launches itself and
+torchrun's workers start warm too.
 
 What the child cannot take over from the server falls back to a real interpreter (the client execs it): interpreter
 options other than -u, -m and -c, and environment variables that libraries read once at import or load (instruction-
 set caps, thread and allocator settings, PYTHONPATH, Hugging Face's settings), when they differ from the server's.
 OMP_NUM_THREADS, which OpenMP reads at load, is applied with torch.set_num_threads, as it would have taken effect.
-Tests that signal a whole process group (a rank's own group differs here) start real interpreters. FABRIC_LAB_WARM=0
+Tests that look at the process tree itself (psutil's children of a launcher) start real interpreters. FABRIC_LAB_WARM=0
 turns all of it off.
 """
 
@@ -45,7 +48,8 @@ args = sys.argv[1:]
 try:
     conn = socket.socket(socket.AF_UNIX)
     conn.connect({socket!r})
-    body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+    leader = os.getpgrp() == os.getpid()  # started as a group (a job): its signals go to the command's group
+    body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader}}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
     conn.sendall(body)
     reader = conn.makefile("r")
@@ -56,7 +60,7 @@ if pid <= 0:  # the server is gone or declined: a real interpreter, as if none o
     os.execv({python!r}, [{python!r}, *args])
 def forward(sig, _frame):
     try:
-        os.kill(pid, sig)
+        (os.killpg if leader else os.kill)(pid, sig)
     except ProcessLookupError:  # it ended meanwhile: its status follows
         pass
 for sig in {signals}:
@@ -200,21 +204,25 @@ def serve(sock_path: str, client: str) -> None:
     listener.listen(64)
     print("ready", flush=True)
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
+    groups: dict[int, bool] = {}  # pid -> whether it leads a process group of its own, as its client did
     while True:
         waiting = [listener, sys.stdin, *children.values()]
         readable, _, _ = select.select(waiting, [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):  # the suite ended
             for pid in children:
-                os.kill(pid, signal.SIGKILL)
+                (os.killpg if groups[pid] else os.kill)(pid, signal.SIGKILL)
             return
         for pid, conn in list(children.items()):
             if conn in readable and not conn.recv(1):
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    (os.killpg if groups[pid] else os.kill)(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            conn = children.pop(pid, None)
+            conn, _ = children.pop(pid, None), groups.pop(pid, None)
             if conn is not None:
                 try:
                     conn.sendall(f"{status}\n".encode())
@@ -247,9 +255,14 @@ def serve(sock_path: str, client: str) -> None:
                     for fd in fds:
                         if fd > 2:
                             os.close(fd)
+                    if request["leader"]:
+                        os.setpgid(0, 0)
                     run_child(request["argv"], request["env"], request["cwd"])
+                if request["leader"]:
+                    os.setpgid(pid, pid)  # here too, so that no signal can come before the child's own call
                 conn.sendall(f"{pid}\n".encode())
                 children[pid] = conn
+                groups[pid] = request["leader"]
             for fd in fds:
                 os.close(fd)
 
