@@ -3,7 +3,6 @@
 import dataclasses
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -170,7 +169,7 @@ def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
     assert abs(ddp["test_acc"] - single["test_acc"]) <= 0.002
     # Lightning's own launcher: `fabric run` gives accelerator, devices and strategy; the same run (fabric run sets
     # OMP_NUM_THREADS to 1 per process, so float32 sums may differ in the last digits)
-    fabric_run = Path(sys.executable).with_name("fabric")
+    fabric_run = Path(warm_python.REAL).with_name("fabric")
     proc = subprocess.run([warm_python.executable(), fabric_run, "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
                            "fabric_lenet.py", *map(str, common), "--run-name", "fabric-run"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

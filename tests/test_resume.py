@@ -4,7 +4,6 @@ uninterrupted run ends; bad checkpoints and non-finite losses end in one clear m
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -262,7 +261,7 @@ def test_a_killed_rank_stops_the_run_with_one_message(tmp_path):
     args = ["fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
             "--micro-batch-size", "1", "--num-samples", "20000", "--checkpoint-every", "2", "--out-dir", tmp_path,
             "--run-name", "killed"]
-    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([warm_python.REAL, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     checkpoints = tmp_path / "killed" / "checkpoints"
     wait_for_checkpoint(tmp_path / "killed", proc, timeout=120, output=lambda: proc.communicate())

@@ -4,7 +4,6 @@ a real interpreter (arguments, output, exit status, signals, thread count), or i
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from conftest import REPO
@@ -21,7 +20,7 @@ def run(*args, env=None, **kw) -> subprocess.CompletedProcess:
 def test_a_command_sees_what_a_real_interpreter_gives_it(tmp_path):
     script = tmp_path / "show.py"
     script.write_text(SHOW)
-    warm, real = run(script, "a", "--b"), subprocess.run([sys.executable, script, "a", "--b"], capture_output=True,
+    warm, real = run(script, "a", "--b"), subprocess.run([warm_python.REAL, script, "a", "--b"], capture_output=True,
                                                           text=True, cwd=REPO)
     assert (warm.returncode, warm.stdout, warm.stderr) == (real.returncode, real.stdout, real.stderr) == (
         0, f"['a', '--b'] {tmp_path} __main__ {real.stdout.split()[-1]}\n", "err\n")
@@ -61,9 +60,9 @@ def test_signals_reach_the_command_and_sigkill_ends_it(tmp_path):
 def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_interpreter():
     nested = run("-c", "import subprocess, sys; print(subprocess.run([sys.executable, '-c', 'import sys; "
                  "print(sys.executable)'], capture_output=True, text=True).stdout.strip())")
-    assert nested.stdout.strip() == warm_python.executable() != sys.executable
+    assert nested.stdout.strip() == warm_python.executable() != warm_python.REAL
     capped = run("-c", "import sys; print(sys.executable)", env={"ATEN_CPU_CAPABILITY": "default"})
-    assert capped.stdout.strip() == sys.executable  # read once by torch: a forked child would keep the server's
+    assert capped.stdout.strip() == warm_python.REAL  # read once by torch: a forked child would keep the server's
 
 
 def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):
@@ -79,3 +78,12 @@ def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):
     assert proc.stdout.readline() == "up\n"
     os.killpg(proc.pid, signal.SIGTERM)
     assert sorted(proc.communicate(timeout=30)[0].split()) == ["child", "parent"] and proc.returncode == 0
+
+
+def test_descriptors_passed_on_reach_the_command(tmp_path):
+    """As torch.compile's worker pool starts its workers: a pipe handed over with pass_fds is there, by number."""
+    read, write = os.pipe()
+    proc = subprocess.Popen([warm_python.executable(), "-c", f"import os; os.write({write}, b'through the pipe')"],
+                            pass_fds=(write,))
+    os.close(write)
+    assert proc.wait(timeout=30) == 0 and os.read(read, 100) == b"through the pipe"

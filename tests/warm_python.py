@@ -20,6 +20,7 @@ Tests that look at the process tree itself (psutil's children of a launcher) sta
 turns all of it off.
 """
 
+import fcntl
 import json
 import os
 import select
@@ -43,14 +44,29 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 
 CLIENT = """#!{python} -S
 # python, warm: see tests/warm_python.py
-import json, os, signal, socket, struct, sys
+import json, os, signal, socket, struct, sys, time
 args = sys.argv[1:]
 try:
     conn = socket.socket(socket.AF_UNIX)
-    conn.connect({socket!r})
+    while True:  # the server may still be importing: wait while it lives
+        try:
+            conn.connect({socket!r})
+            break
+        except OSError:
+            try:
+                alive = open("/proc/{server_pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                alive = False
+            if not alive:
+                raise
+            time.sleep(0.05)
     leader = os.getpgrp() == os.getpid()  # started as a group (a job): its signals go to the command's group
-    body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader}}).encode()
-    socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
+    # every descriptor it was started with (its standard streams, and those passed on: a compile worker's pipes)
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) != conn.fileno() and os.path.exists(
+        f"/proc/self/fd/{{fd}}"))
+    body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader,
+                       "fds": fds}}).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
     conn.sendall(body)
     reader = conn.makefile("r")
     pid = int(reader.readline())
@@ -73,14 +89,24 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+REAL = sys.executable  # the interpreter itself, for the tests that look at a real process tree
+
+
 def executable() -> str:
-    """The `python` a test should start: the warm client once the server is up, the real one with FABRIC_LAB_WARM=0."""
+    """The `python` a test should start: the warm client (its server starts on the first call and imports in the
+    background; a command waits for it), or the real one with FABRIC_LAB_WARM=0."""
     global _client
     if os.environ.get("FABRIC_LAB_WARM", "1") == "0":
-        return sys.executable
+        return REAL
     if _client is None:
         _client = _start_server()
     return _client
+
+
+def install() -> None:
+    """The warm client as this process's sys.executable too: what the scripts a test runs in its own process launch
+    (lab.py's stages, bench.py's cases, cpu_probe's minimal jobs, torch.compile's workers) starts warm as well."""
+    sys.executable = executable()
 
 
 _client = None
@@ -90,14 +116,12 @@ def _start_server() -> str:
     folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
     sock = str(folder / "socket")
     client = folder / "python"
-    client.write_text(CLIENT.format(python=sys.executable, socket=sock, signals=[int(s) for s in FORWARDED]))
-    client.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    server = subprocess.Popen([sys.executable, __file__, sock, str(client)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=env)
-    if server.stdout.readline().strip() != b"ready":  # it said why on stderr
-        raise RuntimeError("tests/warm_python.py did not start; FABRIC_LAB_WARM=0 runs the suite without it")
+    server = subprocess.Popen([REAL, __file__, sock, str(client)], stdin=subprocess.PIPE, env=env)
     _start_server.server = server  # its stdin closes with this process, and it exits then
+    client.write_text(CLIENT.format(python=REAL, socket=sock, server_pid=server.pid,
+                                    signals=[int(s) for s in FORWARDED]))
+    client.chmod(0o755)
     return str(client)
 
 
@@ -202,7 +226,6 @@ def serve(sock_path: str, client: str) -> None:
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(sock_path)
     listener.listen(64)
-    print("ready", flush=True)
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
     groups: dict[int, bool] = {}  # pid -> whether it leads a process group of its own, as its client did
     while True:
@@ -232,7 +255,7 @@ def serve(sock_path: str, client: str) -> None:
         if listener in readable:
             conn, _ = listener.accept()
             try:
-                msg, fds, _, _ = socket.recv_fds(conn, 4, 3)
+                msg, fds, _, _ = socket.recv_fds(conn, 4, 250)
                 size, body = struct.unpack("!I", msg)[0], b""
                 while len(body) < size:
                     body += conn.recv(size - len(body))
@@ -250,11 +273,12 @@ def serve(sock_path: str, client: str) -> None:
                     for other in children.values():
                         other.close()
                     conn.close()
-                    for target, fd in enumerate(fds):
-                        os.dup2(fd, target)
+                    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
                     for fd in fds:
-                        if fd > 2:
-                            os.close(fd)
+                        os.close(fd)
+                    for fd, target in zip(high, request["fds"]):
+                        os.dup2(fd, target)  # inheritable, as after an exec
+                        os.close(fd)
                     if request["leader"]:
                         os.setpgid(0, 0)
                     run_child(request["argv"], request["env"], request["cwd"])
