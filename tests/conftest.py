@@ -95,8 +95,8 @@ def start_node(node_rank: int, port: int, script: str, *args, log: Path, nnodes:
     127.0.0.1:port, with the script's --num-nodes/--devices to match (the README's multi-node command)."""
     torchrun = Path(warm_python.REAL).parent / "torchrun"  # its console script, run by the warm python
     cmd = [warm_python.executable(), torchrun, "--nnodes", nnodes, "--node-rank", node_rank, "--nproc-per-node", 1,
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"join_timeout={join_timeout}", script, *args,
-           "--num-nodes", nnodes, "--devices", 1]
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"join_timeout={join_timeout}",
+           script, *args, "--num-nodes", nnodes, "--devices", 1]
     return subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 

@@ -853,7 +853,8 @@ def test_fabric_run_launches_the_script_as_its_own_launch_does(two_process, tmp_
     script's, and the run equals the script's own 2-process ddp run step by step."""
     out, name = two_process("ddp")
     args = [*EXACT, *TWO_PROCESS["ddp"], "--count-comms", "--checkpoint-every", "2", "--keep-last", "6"]
-    proc = subprocess.run([warm_python.executable(), Path(warm_python.REAL).with_name("fabric"), "run", "--accelerator", "cpu",
+    proc = subprocess.run([warm_python.executable(), Path(warm_python.REAL).with_name("fabric"), "run", "--accelerator",
+                           "cpu",
                            "--devices", "2",
                            "--strategy", "ddp", "fabric_gpt.py", *map(str, args), "--out-dir", tmp_path, "--run-name",
                            "fabric-run"], cwd=REPO, capture_output=True, text=True, timeout=300)

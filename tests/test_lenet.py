@@ -170,8 +170,8 @@ def test_two_process_ddp_matches_one_process(mnist_dir, tmp_path):
     # Lightning's own launcher: `fabric run` gives accelerator, devices and strategy; the same run (fabric run sets
     # OMP_NUM_THREADS to 1 per process, so float32 sums may differ in the last digits)
     fabric_run = Path(warm_python.REAL).with_name("fabric")
-    proc = subprocess.run([warm_python.executable(), fabric_run, "run", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
-                           "fabric_lenet.py", *map(str, common), "--run-name", "fabric-run"], cwd=REPO,
+    proc = subprocess.run([warm_python.executable(), fabric_run, "run", "--accelerator", "cpu", "--devices", "2",
+                           "--strategy", "ddp", "fabric_lenet.py", *map(str, common), "--run-name", "fabric-run"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     launched = read_summary(tmp_path / "fabric-run")

@@ -4,7 +4,7 @@ Every process a test starts (each rank of a 2-process run, each torchrun "machin
 2-core machine importing torch, Lightning, torchmetrics and transformers before its first line ran; the suite starts
 some two hundred. Here one server per pytest worker imports them once and forks a child per command, the way a
 DataLoader forks its workers from a process that has imported torch. `executable()` is a small client that takes the
-place of `python`: it hands its arguments, environment, working folder and standard streams to the server, which
+place of `python`: it hands its arguments, environment, working folder and descriptors to the server, which
 forks; the child runs the script as `python script.py ...` would (as `__main__`, with that sys.argv and sys.path), and
 the client forwards the signals it receives and exits as the child did (its code, or the same signal). A client started
 as a process group of its own (`start_new_session`, as a shell starts a job, torchrun its workers) gets a child that
@@ -39,6 +39,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "psutil
 LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON", "HF_",
              "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "XDG_CACHE_HOME")
 APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR"}  # applied per child, or read when used
+START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGCONT, signal.SIGALRM)
 
@@ -130,14 +131,12 @@ def declines(argv: list[str], env: dict) -> bool:
     rest = list(argv)
     while rest and rest[0] == "-u":
         rest.pop(0)
-    if not rest or (rest[0].startswith("-") and rest[0] not in ("-m", "-c")) or (rest[0] in ("-m", "-c") and len(rest) < 2):
+    if not rest or (rest[0].startswith("-") and (rest[0] not in ("-m", "-c") or len(rest) < 2)):
         return True
     keys = {k for k in {*env, *START_ENV} if k.startswith(LOAD_TIME) and k not in APPLIED}
     # a value the imports set themselves (a child's children inherit it) is what a fresh process gets too
     return any(env.get(k) not in (START_ENV.get(k), os.environ.get(k)) for k in keys)
 
-
-START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
 
 
 def run_child(argv: list[str], env: dict, cwd: str) -> None:
@@ -171,7 +170,8 @@ def run_child(argv: list[str], env: dict, cwd: str) -> None:
     for fd, name in ((1, "stdout"), (2, "stderr")):
         raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
         stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
-                                  line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)), write_through=unbuffered)
+                                  line_buffering=not unbuffered and (fd == 2 or os.isatty(fd)),
+                                  write_through=unbuffered)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     code = 0
@@ -226,32 +226,34 @@ def serve(sock_path: str, client: str) -> None:
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(sock_path)
     listener.listen(64)
-    children: dict[int, socket.socket] = {}  # pid -> its client's connection
-    groups: dict[int, bool] = {}  # pid -> whether it leads a process group of its own, as its client did
+    children: dict[int, tuple[socket.socket, bool]] = {}  # pid -> its client's connection, whether it leads a group
+
+    def kill(pid: int) -> None:
+        try:
+            (os.killpg if children[pid][1] else os.kill)(pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended meanwhile, not reaped yet
+            pass
+
     while True:
-        waiting = [listener, sys.stdin, *children.values()]
-        readable, _, _ = select.select(waiting, [], [], 0.05)
+        connections = {conn: pid for pid, (conn, _) in children.items()}
+        readable, _, _ = select.select([listener, sys.stdin, *connections], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):  # the suite ended
             for pid in children:
-                (os.killpg if groups[pid] else os.kill)(pid, signal.SIGKILL)
+                kill(pid)
             return
-        for pid, conn in list(children.items()):
-            if conn in readable and not conn.recv(1):
-                try:
-                    (os.killpg if groups[pid] else os.kill)(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for conn in readable:
+            if conn in connections and not conn.recv(1):
+                kill(connections[conn])
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            conn, _ = children.pop(pid, None), groups.pop(pid, None)
-            if conn is not None:
-                try:
-                    conn.sendall(f"{status}\n".encode())
-                except OSError:
-                    pass
-                conn.close()
+            conn = children.pop(pid)[0]
+            try:
+                conn.sendall(f"{status}\n".encode())
+            except OSError:
+                pass
+            conn.close()
         if listener in readable:
             conn, _ = listener.accept()
             try:
@@ -270,7 +272,7 @@ def serve(sock_path: str, client: str) -> None:
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
-                    for other in children.values():
+                    for other, _ in children.values():
                         other.close()
                     conn.close()
                     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
@@ -285,8 +287,7 @@ def serve(sock_path: str, client: str) -> None:
                 if request["leader"]:
                     os.setpgid(pid, pid)  # here too, so that no signal can come before the child's own call
                 conn.sendall(f"{pid}\n".encode())
-                children[pid] = conn
-                groups[pid] = request["leader"]
+                children[pid] = conn, request["leader"]
             for fd in fds:
                 os.close(fd)
 
