@@ -71,10 +71,13 @@ def shared_dir(tmp_path_factory, name: str, make) -> Path:
     return folder
 
 
-def run_script(*args, timeout=600, check=True, env=None) -> subprocess.CompletedProcess:
-    """Run a repository script in a process of its own, as `python script ...` (forked warm, tests/warm_python.py)."""
+def run_script(*args, timeout=600, check=True, env=None, cold=False) -> subprocess.CompletedProcess:
+    """Run a repository script in a process of its own, as `python script ...`: forked warm (tests/warm_python.py),
+    or with `cold` a real interpreter, for a test that measures the process itself (a fork's resident memory counts
+    the pages of the server it came from, as they are touched)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([warm_python.executable(), *map(str, args)], cwd=REPO, capture_output=True, text=True,
+    python = warm_python.REAL if cold else warm_python.executable()
+    proc = subprocess.run([python, *map(str, args)], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")

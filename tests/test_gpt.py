@@ -709,7 +709,7 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path, args):
     if "bf16-mixed" in args and not hardware.native_bf16():
         args = [*args[:-1], "1", "--seq-len", "32", "--vocab-size", "4096"]
     run_script("fabric_gpt.py", "--model", "gpt2", "--n-layer", "4", "--seq-len", "128", *args, "--num-samples", "16",
-               "--steps", "2", "--accelerator", "cpu", "--out-dir", tmp_path, "--run-name", "host")
+               "--steps", "2", "--accelerator", "cpu", "--out-dir", tmp_path, "--run-name", "host", cold=True)
     rec = record(tmp_path, "host")
     planned, measured = rec["host_plan"]["per_process"], rec["memory"]["max_rss_gb"] * 2**30
     assert planned == pytest.approx(measured, rel=accounting.HOST_PLAN_MARGIN), (planned / 2**30, measured / 2**30)
