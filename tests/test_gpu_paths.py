@@ -170,3 +170,24 @@ def test_an_op_make_setup_left_out_is_built_before_the_ranks_start_with_a_line(m
     strategies.build_offload_ops()
     assert built == ["cpu_adam"] and capsys.readouterr().out.count("building DeepSpeed's CPU Adam") == 1
     assert "CPUAdamBuilder" not in strategies.SETUP_OPS and "AsyncIOBuilder" in strategies.NVME_OPS
+
+
+def test_ops_compile_without_debug_information(tmp_path):
+    """The venv's `c++` (written by the first op build: make setup's) drops the -g DeepSpeed's builders pass, and is
+    the compiler torch's extension builds run (its `c++`, first on PATH once strategies is imported)."""
+    import shutil
+    import subprocess
+    import sys
+    from torch.utils import cpp_extension
+
+    strategies.install_compiler_without_debug_info()
+    wrapper = os.path.join(sys.prefix, "bin", "c++")
+    assert cpp_extension.get_cxx_compiler() == "c++" and shutil.which("c++") == wrapper
+    source = tmp_path / "op.cpp"
+    source.write_text("int step(int x) { return x + 1; }\n")
+    sections = {}
+    for name, cxx in (("venv", wrapper), ("system", shutil.which("c++", path=os.environ["PATH"].split(":", 1)[1]))):
+        subprocess.run([cxx, "-O3", "-g", "-c", source, "-o", tmp_path / f"{name}.o"], check=True)
+        sections[name] = subprocess.run(["readelf", "-S", tmp_path / f"{name}.o"], capture_output=True, text=True,
+                                        check=True).stdout
+    assert ".debug_info" in sections["system"] and ".debug_info" not in sections["venv"]
