@@ -23,6 +23,13 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")
 
 
+# pytest-xdist's workers share the machine's cores: each worker's processes take cores / workers threads, where
+# torch's default (every core, in each worker) has their OpenMP threads spin against each other
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_interpreter():
     """Every process the suite starts, and every one the scripts it runs start, forked from a warm python
