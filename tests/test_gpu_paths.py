@@ -172,13 +172,15 @@ def test_an_op_make_setup_left_out_is_built_before_the_ranks_start_with_a_line(m
     assert "CPUAdamBuilder" not in strategies.SETUP_OPS and "AsyncIOBuilder" in strategies.NVME_OPS
 
 
-def test_ops_compile_without_debug_information(tmp_path):
+def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
     """The venv's `c++` (written by the first op build: make setup's) drops the -g DeepSpeed's builders pass, and is
-    the compiler torch's extension builds run (its `c++`, first on PATH once strategies is imported)."""
+    the compiler torch's extension builds run (its `c++`, first on PATH once strategies is imported, unless $CXX)."""
     import shutil
     import subprocess
     import sys
     from torch.utils import cpp_extension
+
+    monkeypatch.delenv("CXX", raising=False)
 
     strategies.install_compiler_without_debug_info()
     wrapper = os.path.join(sys.prefix, "bin", "c++")
