@@ -65,16 +65,24 @@ def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
             return json.loads(path.read_text()).get(name, {}).get("value")
         except (OSError, ValueError):
             return None
-    entry, _ = stored_or_measured(path, name, lambda: {"value": measure(), "date": f"{datetime.now():%Y-%m-%d %H:%M}"})
+    entry, _ = stored_or_measured(path, name, dated(measure))
     return entry["value"]
 
 
-def stored_or_measured(path: Path, name: str, measure) -> tuple[dict, bool]:
+def dated(measure):
+    return lambda: {"value": measure(), "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+
+
+def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tuple[dict, bool]:
     """(the entry under `name` in the JSON file at `path`, True), else (measure()'s entry, added to the file, False).
-    A file lock makes processes started together (a launcher's ranks) measure once and read the same answer."""
+    A file lock makes processes started together (a launcher's ranks) measure once and read the same answer; with
+    `wait` False a process that finds the lock taken measures without it and stores nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:  # a measurement is running (perhaps this process's parent): the next run stores it
+            return measure(), False
         try:
             cache = json.loads(path.read_text())
         except (OSError, ValueError):  # none yet, or unreadable: measure
@@ -92,21 +100,7 @@ def cached_unlocked(kind: str, settings: dict, measure):
     value = cached(kind, settings, None, allow_measure=False)
     if value is not None:
         return value
-    value = measure()
-    path = cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a measurement is running (perhaps this process's parent): the next run stores it
-            return value
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        entry = {"value": value, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
-        write_json_atomic(path, {**cache, entry_name(kind, settings): entry})
-    return value
+    return stored_or_measured(cache_file(), entry_name(kind, settings), dated(measure), wait=False)[0]["value"]
 
 
 def rank_threads(devices: int) -> int:

@@ -145,6 +145,20 @@ def test_cpu_measurements_are_cached_per_machine_and_instruction_set(tmp_path, m
     assert cpu_probe.cached("x", {"n": 1}, measure) == 0.5 and len(calls) == 2
 
 
+def test_a_short_measurement_never_waits_for_the_cache_and_is_stored_when_it_is_free(tmp_path, monkeypatch):
+    """cached_unlocked (the matmul peak every run takes): while another measurement holds the cache's lock (a minimal
+    job's parent) the value is measured and returned, not stored; with the lock free it is stored for the next run."""
+    import fcntl
+
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
+    with open(tmp_path / "cpu-probe.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert cpu_probe.cached_unlocked("peak", {"n": 1}, lambda: 7) == 7
+    assert cpu_probe.cached("peak", {"n": 1}, None, allow_measure=False) is None
+    assert cpu_probe.cached_unlocked("peak", {"n": 1}, lambda: 8) == 8
+    assert cpu_probe.cached_unlocked("peak", {"n": 1}, lambda: 9) == 8
+
+
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "pp", "fsdp_tp", "deepspeed_stage_1",
                                       "deepspeed_stage_3_offload"])
 def test_the_minimal_job_keeps_the_runs_strategy_and_is_accepted(strategy):
