@@ -371,9 +371,8 @@ def test_sigint_saves_and_resumes_exactly(tmp_path):
             "--out-dir", tmp_path]
     run_in_process("fabric_gpt.py", *args, "--run-name", "whole", "--steps", "60")
     proc = subprocess.Popen([warm_python.executable(), "fabric_gpt.py", *map(str, args), "--run-name", "cut"],
-                            cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:
         if line.startswith("step   20/"):
             os.killpg(proc.pid, signal.SIGINT)
@@ -411,8 +410,8 @@ def slurm_job(tmp_path, scontrol=True, **ids) -> dict:
 def signal_at_step(args, env, sig, step=20) -> subprocess.CompletedProcess:
     """Start fabric_gpt.py, send `sig` to all its processes once it logs `step`, and wait for its end."""
     proc = subprocess.Popen([warm_python.executable(), "fabric_gpt.py", *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
     for line in proc.stdout:
         if line.startswith(f"step {step:>4}/"):
             os.killpg(proc.pid, sig)
@@ -435,9 +434,8 @@ def test_a_slurm_job_signalled_saves_requeues_itself_and_its_rerun_ends_as_the_w
     assert "SIGUSR1 received: saved" in cut.stdout and "requeued SLURM job 4242" in cut.stdout
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # once, by rank 0
     assert 10 <= max(int(p.name[5:]) for p in (tmp_path / "cut" / "checkpoints").glob("step-*")) < 40
-    again = subprocess.run([warm_python.executable(), "fabric_gpt.py", *map(str, args), "--run-name", "cut", "--resume",
-                            "auto"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run([warm_python.executable(), "fabric_gpt.py", *map(str, args), "--run-name", "cut",
+                            "--resume", "auto"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr[-2000:]
     assert losses(tmp_path, "cut") == pytest.approx(losses(tmp_path, "whole"), rel=1e-6)
 
@@ -853,11 +851,10 @@ def test_fabric_run_launches_the_script_as_its_own_launch_does(two_process, tmp_
     script's, and the run equals the script's own 2-process ddp run step by step."""
     out, name = two_process("ddp")
     args = [*EXACT, *TWO_PROCESS["ddp"], "--count-comms", "--checkpoint-every", "2", "--keep-last", "6"]
-    proc = subprocess.run([warm_python.executable(), Path(warm_python.REAL).with_name("fabric"), "run", "--accelerator",
-                           "cpu",
-                           "--devices", "2",
-                           "--strategy", "ddp", "fabric_gpt.py", *map(str, args), "--out-dir", tmp_path, "--run-name",
-                           "fabric-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([warm_python.executable(), Path(warm_python.REAL).with_name("fabric"), "run",
+                           "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "fabric_gpt.py",
+                           *map(str, args), "--out-dir", tmp_path, "--run-name", "fabric-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = record(tmp_path, "fabric-run")
     assert got["world_size"] == 2 and got["config"]["strategy"] == "ddp" and got["env"]["launcher"] == "torchrun"

@@ -96,9 +96,8 @@ def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
                    "--max-steps", "100", "--no-tb-images")
     (runs / "lab-lenet-relu" / "record.json").unlink()  # as if stopped after its checkpoint at step 100
     proc = subprocess.Popen([warm_python.executable(), "lab.py", "--runs", str(runs), "--data-dir", str(mnist_dir),
-                             "--report-dir",
-                             str(tmp_path / "report"), "--stages", "lenet-relu"], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                             "--report-dir", str(tmp_path / "report"), "--stages", "lenet-relu"], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     log, deadline = runs / "lab" / "logs" / "lenet-relu.log", time.time() + 120
     while not (log.exists() and "continuing at epoch 1, step 100" in log.read_text()):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]

@@ -179,12 +179,10 @@ def test_torchrun_as_gpt_sbatch_documents_it_hands_slurms_signals_on(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "515",
            "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     command = [warm_python.executable(), str(Path(warm_python.REAL).parent / "torchrun"), "--signals-to-handle",
-               handled,
-               "--shutdown-timeout",
-               timeout, "--standalone", "--nproc-per-node", "2", "fabric_gpt.py", "--model", "tiny", "--dataset",
-               "ramp", "--num-samples", "4000", "--micro-batch-size", "2", "--devices", "2", "--strategy", "ddp",
-               "--accelerator", "cpu", "--steps", "40", "--out-dir", str(tmp_path), "--run-name", "tr",
-               "--resume", "auto"]
+               handled, "--shutdown-timeout", timeout, "--standalone", "--nproc-per-node", "2", "fabric_gpt.py",
+               "--model", "tiny", "--dataset", "ramp", "--num-samples", "4000", "--micro-batch-size", "2", "--devices",
+               "2", "--strategy", "ddp", "--accelerator", "cpu", "--steps", "40", "--out-dir", str(tmp_path),
+               "--run-name", "tr", "--resume", "auto"]
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # the task's process group, as srun starts it
     for line in proc.stdout:
