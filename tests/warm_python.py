@@ -47,6 +47,9 @@ CLIENT = """#!{python} -S
 # python, warm: see tests/warm_python.py
 import json, os, signal, socket, struct, sys, time
 args = sys.argv[1:]
+# held until the command's pid is known and the handlers are in place: a signal sent as soon as the command prints
+# would otherwise find the default action (the client ended, the command left running)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signals})
 try:
     conn = socket.socket(socket.AF_UNIX)
     while True:  # the server may still be importing: wait while it lives
@@ -74,6 +77,7 @@ try:
 except (OSError, ValueError):
     pid = 0
 if pid <= 0:  # the server is gone or declined: a real interpreter, as if none of this existed
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signals})
     os.execv({python!r}, [{python!r}, *args])
 def forward(sig, _frame):
     try:
@@ -82,6 +86,7 @@ def forward(sig, _frame):
         pass
 for sig in {signals}:
     signal.signal(sig, forward)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signals})  # what came meanwhile is forwarded now
 status = int(reader.readline())
 if os.WIFSIGNALED(status):
     signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
