@@ -309,11 +309,16 @@ def fixed_step(cfg, allow_measure: bool = True) -> float | None:
 
 
 def _run_minimal(argv: list[str]) -> float:
+    """The minimal run's step time. Its processes are forked from a warm python (warm_python.py): the job is a few
+    seconds of steps after 10-20 s of imports a process, twenty times in a lab's first bench (AVX2 EPYC: 7 s a job
+    instead of 25, the step time the same within its run-to-run spread)."""
+    import warm_python
+
     script = Path(__file__).with_name("fabric_gpt.py")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT", "NODE_RANK", "FABRIC_LAB_LAUNCHER")}
     with tempfile.TemporaryDirectory(prefix="fixed-cost-") as out:
-        done = subprocess.run([sys.executable, str(script), *argv, "--out-dir", out, "--run-name", "probe"],
+        done = subprocess.run([warm_python.executable(), str(script), *argv, "--out-dir", out, "--run-name", "probe"],
                               env=env, capture_output=True, text=True)
         if done.returncode:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]

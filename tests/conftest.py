@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import warm_python
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+import warm_python  # noqa: E402 (the repository's, on the path above)
 # cpu_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
 # pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
 if "PYTEST_XDIST_WORKER" not in os.environ:
@@ -33,7 +32,7 @@ if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 @pytest.fixture(scope="session", autouse=True)
 def warm_interpreter():
     """Every process the suite starts, and every one the scripts it runs start, forked from a warm python
-    (tests/warm_python.py): about 10 s less CPU each on 2 cores."""
+    (warm_python.py): about 10 s less CPU each on 2 cores."""
     warm_python.install()
 
 
@@ -79,7 +78,7 @@ def shared_dir(tmp_path_factory, name: str, make) -> Path:
 
 
 def run_script(*args, timeout=600, check=True, env=None, cold=False) -> subprocess.CompletedProcess:
-    """Run a repository script in a process of its own, as `python script ...`: forked warm (tests/warm_python.py),
+    """Run a repository script in a process of its own, as `python script ...`: forked warm (warm_python.py),
     or with `cold` a real interpreter, for a test that measures the process itself (a fork's resident memory counts
     the pages of the server it came from, as they are touched)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

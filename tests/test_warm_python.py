@@ -1,4 +1,4 @@
-"""tests/warm_python.py, the suite's `python` with torch imported already: a command run through it behaves as under
+"""warm_python.py, the suite's `python` with torch imported already: a command run through it behaves as under
 a real interpreter (arguments, output, exit status, signals, thread count), or is handed to one."""
 
 import os
@@ -27,6 +27,13 @@ def test_a_command_sees_what_a_real_interpreter_gives_it(tmp_path):
         0, f"['a', '--b'] {tmp_path} __main__ {real.stdout.split()[-1]}\n", "err\n")
     one = run(script, env={"OMP_NUM_THREADS": "1"})  # OpenMP reads it at load: applied as it would have been
     assert one.stdout.split()[-1] == "1"
+
+
+def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():
+    """bench.py run by a test, or any warm child, hands cpu_probe's fixed-cost jobs to the server it came from."""
+    code = "import sys, warm_python; print(warm_python.executable() == sys.executable, warm_python._client)"
+    assert run("-c", code).stdout == "True None\n"
+    assert warm_python.is_client(warm_python.executable()) and not warm_python.is_client(warm_python.REAL)
 
 
 def test_exit_codes_errors_and_deaths_by_signal_are_the_commands():

@@ -1,9 +1,12 @@
-"""A Python for the suite's subprocesses that has torch, Lightning and transformers imported already.
+"""A Python that has torch, Lightning and transformers imported already, for short jobs started by the dozen: the
+test suite's subprocesses and cpu_probe's fixed-cost runs (bench.py's predictions, `make lab`).
 
-Every process a test starts (each rank of a 2-process run, each torchrun "machine") spent about 10 s of CPU on a
-2-core machine importing torch, Lightning, torchmetrics and transformers before its first line ran; the suite starts
-some two hundred. Here one server per pytest worker imports them once and forks a child per command, the way a
-DataLoader forks its workers from a process that has imported torch. `executable()` is a small client that takes the
+Every such process (each rank of a 2-process run, each torchrun "machine") spent 10-20 s of CPU on a 2-core machine
+importing torch, Lightning, torchmetrics and transformers before its first line ran, for a job of a few seconds; the
+suite starts some two hundred, the lab's performance model twenty. Here one server (per pytest worker, per bench)
+imports them once and forks a child per command, the way a DataLoader forks its workers from a process that has
+imported torch. A benchmark's own cases run real interpreters: a forked child's resident memory counts the server's
+pages it touches (3% more at a run's peak, measured), and the bench reports the memory of what a user runs. `executable()` is a small client that takes the
 place of `python`: it hands its arguments, environment, working folder and descriptors to the server, which
 forks; the child runs the script as `python script.py ...` would (as `__main__`, with that sys.argv and sys.path), and
 the client forwards the signals it receives and exits as the child did (its code, or the same signal). A client started
@@ -44,7 +47,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
              signal.SIGCONT, signal.SIGALRM)
 
 CLIENT = """#!{python} -S
-# python, warm: see tests/warm_python.py
+# python, warm: see warm_python.py
 import json, os, signal, socket, struct, sys, time
 args = sys.argv[1:]
 # held until the command's pid is known and the handlers are in place: a signal sent as soon as the command prints
@@ -99,14 +102,25 @@ REAL = sys.executable  # the interpreter itself, for the tests that look at a re
 
 
 def executable() -> str:
-    """The `python` a test should start: the warm client (its server starts on the first call and imports in the
-    background; a command waits for it), or the real one with FABRIC_LAB_WARM=0."""
+    """The `python` to start a job with: the warm client (its server starts on the first call and imports in the
+    background; a command waits for it), this process's own when it is a warm child already, or the real one with
+    FABRIC_LAB_WARM=0."""
     global _client
     if os.environ.get("FABRIC_LAB_WARM", "1") == "0":
         return REAL
+    if is_client(sys.executable):  # forked by a server: its children are forked there too
+        return sys.executable
     if _client is None:
         _client = _start_server()
     return _client
+
+
+def is_client(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return CLIENT.splitlines()[1].encode() in f.read(200)
+    except OSError:
+        return False
 
 
 def install() -> None:
@@ -298,4 +312,9 @@ def serve(sock_path: str, client: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(*sys.argv[1:])
+    try:
+        serve(*sys.argv[1:])
+    finally:  # its socket and client
+        import shutil
+
+        shutil.rmtree(Path(sys.argv[1]).parent, ignore_errors=True)
