@@ -148,14 +148,15 @@ def lab(args) -> int:
 
 
 # ----------------------------------------------------------------------------- how long it takes
-# Each stage's seconds in a whole `make lab` on REFERENCE_CPU (2 cores, no GPU, 2026-11-26), and that CPU's float32
-# matmul rate there (accounting.cpu_matmul_peak): elsewhere the stages are scaled by the rate this machine measures,
-# a rough guess; once a lab has timed its stages here (runs/lab/timings.json), those times are the estimate.
-REFERENCE_CPU = "AMD EPYC, 2 cores (Zen 3, AVX2 only: bf16 emulated)"
+# Each stage's seconds in a whole `make lab` on REFERENCE_CPU (as bench.cpu_label names it: 2 cores, no GPU,
+# 2026-11-26), and that CPU's float32 matmul rate there (accounting.cpu_matmul_peak). A CPU of that name takes them
+# as they are (the same CPU measured 0.34-1.0x of that rate within a day, under other load); any other CPU scales them
+# by the rate it measures, a rough guess; once a lab has timed its stages here (runs/lab/timings.json), those times.
+REFERENCE_CPU = "AMD EPYC, 2 cores (AVX2)"
 REFERENCE_FLOPS = 129e9
-REFERENCE_SECONDS = {"data": 4, "lenet-relu": 154, "gelu-check": 6, "lenet-gelu_torch": 171, "lenet-gelu_py": 192,
-                     "lenet-gelu_cpp": 122, "bench-gelu": 83, "bench-lenet": 251, "bench-gpt": 880, "gpu-check": 0,
-                     "report": 12}  # bench-gpt: 20 cases 470 s, then cpu_probe's first measurements 408 s
+REFERENCE_SECONDS = {"data": 5, "lenet-relu": 116, "gelu-check": 8, "lenet-gelu_torch": 138, "lenet-gelu_py": 206,
+                     "lenet-gelu_cpp": 130, "bench-gelu": 56, "bench-lenet": 104, "bench-gpt": 704, "gpu-check": 0,
+                     "report": 7}  # bench-gpt: 20 cases 568 s (75 s of it building CPU Adam), cpu_probe's probes 136 s
 TIMINGS = "lab/timings.json"  # under --runs
 
 
@@ -168,6 +169,10 @@ def expected_duration(stages: list, runs: Path, force: bool) -> str:
     todo = [s for s in stages if not s.optional and (force or s.always or not resolved(runs, s).exists())]
     if here and all(s.name in timed["seconds"] for s in todo):
         seconds, how = sum(timed["seconds"][s.name] for s in todo), f"as the stages took here before ({runs / TIMINGS})"
+    elif cpu_label() == REFERENCE_CPU:
+        seconds = sum(timed["seconds"].get(s.name) if here and s.name in timed["seconds"] else
+                      REFERENCE_SECONDS.get(s.name, 60) for s in todo)
+        how = "as a whole lab took on this CPU model (lab.REFERENCE_SECONDS)"
     else:
         import accounting
 
