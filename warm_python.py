@@ -161,10 +161,24 @@ def declines(argv: list[str], env: dict) -> bool:
 def run_child(argv: list[str], env: dict, cwd: str) -> None:
     """In the forked child: become `python argv...` and never return."""
     import atexit
+
+    code = run_as_main(become_the_interpreter(argv, env, cwd), cwd)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def become_the_interpreter(argv: list[str], env: dict, cwd: str) -> list[str]:
+    """What `python argv...` starts with: default signal handlers, the folder, the environment (with what the imports
+    set), the thread count, the standard streams; returns argv without its -u."""
     import io
-    import runpy
-    import threading
-    import traceback
 
     import torch
 
@@ -193,7 +207,15 @@ def run_child(argv: list[str], env: dict, cwd: str) -> None:
                                   write_through=unbuffered)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-    code = 0
+    return argv
+
+
+def run_as_main(argv: list[str], cwd: str) -> int:
+    """Run the script, `-m` module or `-c` code as `__main__`; its exit code (negative: the signal it ends by)."""
+    import runpy
+    import threading
+    import traceback
+
     try:
         if argv[0] == "-m":
             sys.argv, sys.path[0] = [argv[1], *argv[2:]], cwd
@@ -209,25 +231,16 @@ def run_child(argv: list[str], env: dict, cwd: str) -> None:
             runpy.run_path(argv[0], run_name="__main__")
         threading._shutdown()
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except BaseException as e:  # the traceback from the command's first frame on, as the interpreter prints it
         tb = e.__traceback__
         while tb and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb)
-        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1  # SIGINT: the interpreter ends by it
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+        return -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1  # SIGINT: the interpreter ends by it
+    return 0
 
 
 def serve(sock_path: str, client: str) -> None:
@@ -246,69 +259,79 @@ def serve(sock_path: str, client: str) -> None:
     listener.bind(sock_path)
     listener.listen(64)
     children: dict[int, tuple[socket.socket, bool]] = {}  # pid -> its client's connection, whether it leads a group
-
-    def kill(pid: int) -> None:
-        try:
-            (os.killpg if children[pid][1] else os.kill)(pid, signal.SIGKILL)
-        except ProcessLookupError:  # ended meanwhile, not reaped yet
-            pass
-
     while True:
         connections = {conn: pid for pid, (conn, _) in children.items()}
         readable, _, _ = select.select([listener, sys.stdin, *connections], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):  # the suite ended
             for pid in children:
-                kill(pid)
+                kill(children, pid)
             return
         for conn in readable:
             if conn in connections and not conn.recv(1):
-                kill(connections[conn])
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            conn = children.pop(pid)[0]
-            try:
-                conn.sendall(f"{status}\n".encode())
-            except OSError:
-                pass
-            conn.close()
+                kill(children, connections[conn])
+        reap(children)
         if listener in readable:
-            conn, _ = listener.accept()
-            try:
-                msg, fds, _, _ = socket.recv_fds(conn, 4, 250)
-                size, body = struct.unpack("!I", msg)[0], b""
-                while len(body) < size:
-                    body += conn.recv(size - len(body))
-                request = json.loads(body)
-            except (OSError, ValueError, struct.error):
-                conn.close()
-                continue
-            if declines(request["argv"], request["env"]):
-                conn.sendall(b"0\n")
-                conn.close()
-            else:
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    for other, _ in children.values():
-                        other.close()
-                    conn.close()
-                    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
-                    for fd in fds:
-                        os.close(fd)
-                    for fd, target in zip(high, request["fds"]):
-                        os.dup2(fd, target)  # inheritable, as after an exec
-                        os.close(fd)
-                    if request["leader"]:
-                        os.setpgid(0, 0)
-                    run_child(request["argv"], request["env"], request["cwd"])
-                if request["leader"]:
-                    os.setpgid(pid, pid)  # here too, so that no signal can come before the child's own call
-                conn.sendall(f"{pid}\n".encode())
-                children[pid] = conn, request["leader"]
+            accept(listener, children)
+
+
+def kill(children: dict, pid: int) -> None:
+    try:
+        (os.killpg if children[pid][1] else os.kill)(pid, signal.SIGKILL)
+    except ProcessLookupError:  # ended meanwhile, not reaped yet
+        pass
+
+
+def reap(children: dict) -> None:
+    """Send each ended child's wait status to its client."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            break
+        conn = children.pop(pid)[0]
+        try:
+            conn.sendall(f"{status}\n".encode())
+        except OSError:
+            pass
+        conn.close()
+
+
+def accept(listener: socket.socket, children: dict) -> None:
+    """Take one client's request: decline it (the client execs a real interpreter) or fork its command."""
+    conn, _ = listener.accept()
+    try:
+        msg, fds, _, _ = socket.recv_fds(conn, 4, 250)
+        size, body = struct.unpack("!I", msg)[0], b""
+        while len(body) < size:
+            body += conn.recv(size - len(body))
+        request = json.loads(body)
+    except (OSError, ValueError, struct.error):
+        conn.close()
+        return
+    if declines(request["argv"], request["env"]):
+        conn.sendall(b"0\n")
+        conn.close()
+    else:
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other, _ in children.values():
+                other.close()
+            conn.close()
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
             for fd in fds:
                 os.close(fd)
+            for fd, target in zip(high, request["fds"]):
+                os.dup2(fd, target)  # inheritable, as after an exec
+                os.close(fd)
+            if request["leader"]:
+                os.setpgid(0, 0)
+            run_child(request["argv"], request["env"], request["cwd"])
+        if request["leader"]:
+            os.setpgid(pid, pid)  # here too, so that no signal can come before the child's own call
+        conn.sendall(f"{pid}\n".encode())
+        children[pid] = conn, request["leader"]
+    for fd in fds:
+        os.close(fd)
 
 
 if __name__ == "__main__":
