@@ -169,17 +169,15 @@ def expected_duration(stages: list, runs: Path, force: bool) -> str:
     todo = [s for s in stages if not s.optional and (force or s.always or not resolved(runs, s).exists())]
     if here and all(s.name in timed["seconds"] for s in todo):
         seconds, how = sum(timed["seconds"][s.name] for s in todo), f"as the stages took here before ({runs / TIMINGS})"
-    elif cpu_label() == REFERENCE_CPU:
-        seconds = sum(timed["seconds"].get(s.name) if here and s.name in timed["seconds"] else
-                      REFERENCE_SECONDS.get(s.name, 60) for s in todo)
-        how = "as a whole lab took on this CPU model (lab.REFERENCE_SECONDS)"
     else:
-        import accounting
+        scale, how = 1.0, "as a whole lab took on this CPU model (lab.REFERENCE_SECONDS)"
+        if cpu_label() != REFERENCE_CPU:
+            import accounting
 
-        scale = REFERENCE_FLOPS / accounting.cpu_matmul_peak("32-true")[0]
+            scale = REFERENCE_FLOPS / accounting.cpu_matmul_peak("32-true")[0]
+            how = f"the stages' times on an {REFERENCE_CPU}, scaled by this CPU's measured matmul rate ({1 / scale:.2f}x)"
         seconds = sum(timed["seconds"].get(s.name) if here and s.name in timed["seconds"] else
                       REFERENCE_SECONDS.get(s.name, 60) * scale for s in todo)
-        how = f"the stages' times on an {REFERENCE_CPU}, scaled by this CPU's measured matmul rate ({1 / scale:.2f}x)"
     return f"{len(todo)} stage(s) to run, expected to take about {seconds / 60:.0f} min on this machine ({how})"
 
 
