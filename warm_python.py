@@ -6,14 +6,14 @@ importing torch, Lightning, torchmetrics and transformers before its first line 
 suite starts some two hundred, the lab's performance model twenty. Here one server (per pytest worker, per bench)
 imports them once and forks a child per command, the way a DataLoader forks its workers from a process that has
 imported torch. A benchmark's own cases run real interpreters: a forked child's resident memory counts the server's
-pages it touches (3% more at a run's peak, measured), and the bench reports the memory of what a user runs. `executable()` is a small client that takes the
-place of `python`: it hands its arguments, environment, working folder and descriptors to the server, which
-forks; the child runs the script as `python script.py ...` would (as `__main__`, with that sys.argv and sys.path), and
-the client forwards the signals it receives and exits as the child did (its code, or the same signal). A client started
-as a process group of its own (`start_new_session`, as a shell starts a job, torchrun its workers) gets a child that
-leads its own group, and forwards to that group: a signal to the job reaches every process the command started, and
-SIGKILL to it ends them all. The child's `sys.executable` is the client, so the ranks a run launches itself and
-torchrun's workers start warm too.
+pages it touches (3% more at a run's peak, measured), and the bench reports the memory of what a user runs.
+`executable()` is a small client that takes the place of `python`: it hands its arguments, environment, working
+folder and descriptors to the server, which forks; the child runs the script as `python script.py ...` would (as
+`__main__`, with that sys.argv and sys.path), and the client forwards the signals it receives and exits as the child
+did (its code, or the same signal). A client started as a process group of its own (`start_new_session`, as a shell
+starts a job, torchrun its workers) gets a child that leads its own group, and forwards to that group: a signal to
+the job reaches every process the command started, and SIGKILL to it ends them all. The child's `sys.executable` is
+the client, so the ranks a run launches itself and torchrun's workers start warm too.
 
 What the child cannot take over from the server falls back to a real interpreter (the client execs it): interpreter
 options other than -u, -m and -c, and environment variables that libraries read once at import or load (instruction-
