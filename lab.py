@@ -34,6 +34,7 @@ class Stage:
     resumable_run: str = ""  # a training run folder to continue with --resume auto when it has a checkpoint
     optional: str = ""  # why the stage is skipped on this machine ("" when it runs)
     always: bool = False  # cheap and reads the other stages' results: runs every time
+    real: bool = False  # a real interpreter: its figures include the process's memory, or it uses CUDA (see below)
 
 
 def cuda_devices() -> int:
@@ -71,23 +72,26 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
     gpt = ["bench.py", "--out-dir", runs, "--keep", "gpt", "--model", model, "--devices", devices, "--accelerator", accelerator]
     if gpus:
         gpt += ["--precisions", "bf16-mixed", "--micro-batch-size", "1", "--num-samples", 16 * devices]
-    stages.append(Stage("bench-gpt", gpt, f"bench-gpt-{model}-{devices}x{accelerator}/bench.json"))
+    stages.append(Stage("bench-gpt", gpt, f"bench-gpt-{model}-{devices}x{accelerator}/bench.json", real=True))
     stages.append(Stage(GPU_CHECK, ["gpu_check.py", "--runs", runs], f"{GPU_CHECK}/gpu-check.json",
-                        optional="" if gpus else "no CUDA GPU on this machine"))
+                        optional="" if gpus else "no CUDA GPU on this machine", real=True))
     stages.append(Stage("report", ["report.py", "--runs", runs, "--out", report_dir], str(REPO / report_dir / "REPORT.md"),
                         always=True))
+    for stage in stages if gpus else []:  # forked children have not been tried with CUDA: real interpreters there
+        stage.real = True
     return stages
 
 
 # ----------------------------------------------------------------------------- running stages
-def run_logged(args: list, log: Path) -> int:
+def run_logged(args: list, log: Path, python: str = sys.executable, env: dict | None = None) -> int:
     """Run one command of the repository with its output in `log`; Ctrl-C reaches it too (same process
-    group), so a training run saves its checkpoint before the lab stops."""
+    group; a warm client forwards it), so a training run saves its checkpoint before the lab stops."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
         f.write(f"\n$ python {' '.join(map(str, args))}  # {datetime.now():%Y-%m-%d %H:%M:%S}\n")
         f.flush()
-        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([python, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
         try:
             return proc.wait()
         except KeyboardInterrupt:
@@ -110,10 +114,17 @@ def lab(args) -> int:
                   f"{', '.join(s.name for s in stages)}", file=sys.stderr)
             return 2
         stages = [s for s in stages if s.name in args.stages.split(",")]
+    # Stages start forked from a warm python (warm_python.py: torch, Lightning and transformers imported once, not
+    # 10-15 s a stage and a benchmark case again): what they measure is time, and a fork trains at a real
+    # interpreter's speed (docs/lab.md). bench-gpt's table reports each run's memory, which in a fork would count the
+    # server's pages, and CUDA cannot follow a fork: those stages start real interpreters.
+    import warm_python
+
     started = time.time()
     print(f"lab: {len(stages)} stages into {runs}/ (logs in {runs / LOGS}/); finished stages are skipped"
           f"{' -- FORCE: recomputing all' if args.force else ''}", flush=True)
     print(f"lab: {expected_duration(stages, runs, args.force)}", flush=True)
+    warm = warm_python.executable()  # after the estimate, which may time a matmul: its server imports meanwhile
     for i, stage in enumerate(stages, 1):
         tag = f"[{i}/{len(stages)}] {stage.name:<16}"
         result = resolved(runs, stage)
@@ -134,7 +145,8 @@ def lab(args) -> int:
         log = runs / LOGS / f"{stage.name}.log"
         print(f"{tag} started{' (continuing its run)' if '--resume' in command else ''}, log {log}", flush=True)
         t0 = time.time()
-        code = run_logged(command, log)
+        # a real stage's own short jobs (bench-gpt's probes) go to the lab's server instead of starting another
+        code = run_logged(command, log, warm_python.REAL if stage.real else warm, {warm_python.SHARED: warm})
         if code:
             stopped = code in (128 + signal.SIGINT, -signal.SIGINT)  # exit 130, or killed by SIGINT
             print(f"{tag} {'stopped' if stopped else 'FAILED'} after {time.time() - t0:.0f} s: {last_line(log)}", flush=True)

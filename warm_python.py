@@ -1,12 +1,13 @@
 """A Python that has torch, Lightning and transformers imported already, for short jobs started by the dozen: the
-test suite's subprocesses and cpu_probe's fixed-cost runs (bench.py's predictions, `make lab`).
+test suite's subprocesses, cpu_probe's fixed-cost runs (bench.py's predictions) and `make lab`'s stages.
 
 Every such process (each rank of a 2-process run, each torchrun "machine") spent 10-20 s of CPU on a 2-core machine
 importing torch, Lightning, torchmetrics and transformers before its first line ran, for a job of a few seconds; the
-suite starts some two hundred, the lab's performance model twenty. Here one server (per pytest worker, per bench)
-imports them once and forks a child per command, the way a DataLoader forks its workers from a process that has
-imported torch. A benchmark's own cases run real interpreters: a forked child's resident memory counts the server's
-pages it touches (3% more at a run's peak, measured), and the bench reports the memory of what a user runs.
+suite starts some two hundred, the lab's performance model twenty. Here one server (per pytest worker, per bench,
+per `make lab`) imports them once and forks a child per command, the way a DataLoader forks its workers from a
+process that has imported torch. bench-gpt's cases run real interpreters: a forked child's resident memory counts the
+server's pages it touches (3% more at a run's peak, measured), and its table reports the memory of what a user runs.
+The lab's other stages measure time and accuracy, which a fork leaves as they are (docs/lab.md).
 `executable()` is a small client that takes the place of `python`: it hands its arguments, environment, working
 folder and descriptors to the server, which forks; the child runs the script as `python script.py ...` would (as
 `__main__`, with that sys.argv and sys.path), and the client forwards the signals it receives and exits as the child
@@ -99,17 +100,20 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 REAL = sys.executable  # the interpreter itself, for the tests that look at a real process tree
+SHARED = "FABRIC_LAB_WARM_CLIENT"  # a server's client handed to a real interpreter (make lab's bench-gpt) to use
 
 
 def executable() -> str:
     """The `python` to start a job with: the warm client (its server starts on the first call and imports in the
-    background; a command waits for it), this process's own when it is a warm child already, or the real one with
-    FABRIC_LAB_WARM=0."""
+    background; a command waits for it), this process's own when it is a warm child already, the one in
+    FABRIC_LAB_WARM_CLIENT when its starter handed it one, or the real one with FABRIC_LAB_WARM=0."""
     global _client
     if os.environ.get("FABRIC_LAB_WARM", "1") == "0":
         return REAL
     if is_client(sys.executable):  # forked by a server: its children are forked there too
         return sys.executable
+    if is_client(os.environ.get(SHARED, "")):  # started real beside a server: its jobs go there
+        return os.environ[SHARED]
     if _client is None:
         _client = _start_server()
     return _client

@@ -36,6 +36,20 @@ def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():
     assert warm_python.is_client(warm_python.executable()) and not warm_python.is_client(warm_python.REAL)
 
 
+def test_a_real_interpreter_handed_a_client_starts_its_jobs_there():
+    """make lab's bench-gpt stage runs a real interpreter (its cases' memory) whose probes go to the lab's server:
+    handed a client it takes it and starts no server; handed anything else, it would start its own."""
+    code = "import warm_python; print(warm_python.executable(), warm_python._client)"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    handed = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            env={**env, warm_python.SHARED: warm_python.executable()})
+    assert handed.stdout == f"{warm_python.executable()} None\n", handed.stderr
+    not_a_client = subprocess.run([warm_python.REAL, "-c", "import warm_python; print(warm_python.is_client("
+                                   "warm_python.os.environ[warm_python.SHARED]))"], cwd=REPO, capture_output=True,
+                                  text=True, env={**env, warm_python.SHARED: warm_python.REAL})
+    assert not_a_client.stdout == "False\n", not_a_client.stderr
+
+
 def test_exit_codes_errors_and_deaths_by_signal_are_the_commands():
     assert run("-c", "import sys; sys.exit(3)").returncode == 3
     assert run("-c", "import sys; sys.exit('bad input')").stderr == "bad input\n"
