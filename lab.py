@@ -166,9 +166,9 @@ def lab(args) -> int:
 # by the rate it measures, a rough guess; once a lab has timed its stages here (runs/lab/timings.json), those times.
 REFERENCE_CPU = "AMD EPYC, 2 cores (AVX2)"
 REFERENCE_FLOPS = 129e9
-REFERENCE_SECONDS = {"data": 5, "lenet-relu": 116, "gelu-check": 8, "lenet-gelu_torch": 138, "lenet-gelu_py": 206,
-                     "lenet-gelu_cpp": 130, "bench-gelu": 56, "bench-lenet": 104, "bench-gpt": 704, "gpu-check": 0,
-                     "report": 7}  # bench-gpt: 20 cases 568 s (75 s of it building CPU Adam), cpu_probe's probes 136 s
+REFERENCE_SECONDS = {"data": 9, "lenet-relu": 72, "gelu-check": 2, "lenet-gelu_torch": 110, "lenet-gelu_py": 161,
+                     "lenet-gelu_cpp": 103, "bench-gelu": 49, "bench-lenet": 54, "bench-gpt": 557, "gpu-check": 0,
+                     "report": 3}  # bench-gpt: 20 cases 451 s (building CPU Adam in the first ZeRO-Offload one), probes 106 s
 TIMINGS = "lab/timings.json"  # under --runs
 
 
