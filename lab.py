@@ -117,7 +117,7 @@ def lab(args) -> int:
     # Stages start forked from a warm python (warm_python.py: torch, Lightning and transformers imported once, not
     # 10-15 s a stage and a benchmark case again): what they measure is time, and a fork trains at a real
     # interpreter's speed (docs/lab.md). bench-gpt's table reports each run's memory, which in a fork would count the
-    # server's pages, and CUDA cannot follow a fork: those stages start real interpreters.
+    # server's pages, and CUDA in a forked child is untried here: those stages start real interpreters.
     import warm_python
 
     started = time.time()
