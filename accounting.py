@@ -236,7 +236,8 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     per_layer = s * b * h * (2 * r + 2 * w + (8 * w + attention + scores) / t)
     # per block, kept from forward to backward (with bf16 gathers the block's own weights, freed and gathered again)
     weight_copies = 12 * h * h * 2 / t if autocast and not fsdp_gathers_bf16(cfg) else 0
-    head = s * b * h * (r + w) + (V * h * 2 if autocast else 0)  # ln_f's input and output; lm_head's weight copy
+    head_copy = V * h * 2 if autocast else 0  # lm_head's (the tied embedding's) 16-bit copy
+    head = s * b * h * (r + w) + head_copy  # ln_f's input and output, and that copy
     # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward
     logits = s * b * V * (w + 4 + 4) / t
     layers = -(-L // p)
@@ -247,7 +248,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     # checkpointing keeps each block's input (the residual stream) and recomputes one block at a time
     checkpointed = in_flight * layers * s * b * h * r + per_layer + weight_copies + head + logits
     # every 16-bit copy the forward made (autocast keeps them until its region ends, then frees them into the heap)
-    all_copies = in_flight * layers * weight_copies + (V * h * 2 if autocast else 0)
+    all_copies = in_flight * layers * weight_copies + head_copy
     return {"activations_full": full, "activations_checkpointed": checkpointed, "logits_gradient": s * b * V * 4 / t,
             "weight_copies": all_copies}
 

@@ -74,23 +74,23 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
         gpt += ["--precisions", "bf16-mixed", "--micro-batch-size", "1", "--num-samples", 16 * devices]
     stages.append(Stage("bench-gpt", gpt, f"bench-gpt-{model}-{devices}x{accelerator}/bench.json", real=True))
     stages.append(Stage(GPU_CHECK, ["gpu_check.py", "--runs", runs], f"{GPU_CHECK}/gpu-check.json",
-                        optional="" if gpus else "no CUDA GPU on this machine", real=True))
+                        optional="" if gpus else "no CUDA GPU on this machine"))
     stages.append(Stage("report", ["report.py", "--runs", runs, "--out", report_dir], str(REPO / report_dir / "REPORT.md"),
                         always=True))
-    for stage in stages if gpus else []:  # forked children have not been tried with CUDA: real interpreters there
+    for stage in stages if gpus else []:  # CUDA in forked children is untried: real interpreters there (gpu-check too)
         stage.real = True
     return stages
 
 
 # ----------------------------------------------------------------------------- running stages
-def run_logged(args: list, log: Path, python: str = sys.executable, env: dict | None = None) -> int:
+def run_logged(args: list, log: Path, python: str | None = None, env: dict | None = None) -> int:
     """Run one command of the repository with its output in `log`; Ctrl-C reaches it too (same process
     group; a warm client forwards it), so a training run saves its checkpoint before the lab stops."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
         f.write(f"\n$ python {' '.join(map(str, args))}  # {datetime.now():%Y-%m-%d %H:%M:%S}\n")
         f.flush()
-        proc = subprocess.Popen([python, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([python or sys.executable, *map(str, args)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
         try:
             return proc.wait()
@@ -124,7 +124,8 @@ def lab(args) -> int:
     print(f"lab: {len(stages)} stages into {runs}/ (logs in {runs / LOGS}/); finished stages are skipped"
           f"{' -- FORCE: recomputing all' if args.force else ''}", flush=True)
     print(f"lab: {expected_duration(stages, runs, args.force)}", flush=True)
-    warm = warm_python.executable()  # after the estimate, which may time a matmul: its server imports meanwhile
+    # after the estimate, which may time a matmul: its server imports meanwhile (none when no stage would use it)
+    warm = warm_python.executable() if not all(s.real for s in stages) else warm_python.REAL
     for i, stage in enumerate(stages, 1):
         tag = f"[{i}/{len(stages)}] {stage.name:<16}"
         result = resolved(runs, stage)

@@ -83,18 +83,21 @@ def test_unknown_stage_is_refused_with_the_list(capsys):
 def test_stages_start_warm_but_those_a_fork_would_change(tmp_path, capsys, monkeypatch):
     """Forked from the warm python: every stage but bench-gpt (its table reports each run's memory, which in a fork
     counts the server's pages) and gpu-check (CUDA); on a machine with GPUs, every stage starts a real interpreter."""
-    started = {}
-    handed = {}
-    monkeypatch.setattr(lab, "run_logged", lambda args, log, python, env: started.update({log.stem: python}) or
-                        handed.update({log.stem: env[warm_python.SHARED]}) or 0)
+    started = {}  # stage: (the python it started with, the client handed to it)
+    monkeypatch.setattr(lab, "run_logged", lambda args, log, python, env:
+                        started.update({log.stem: (python, env[warm_python.SHARED])}) or 0)
     code, out = run_lab(capsys, "--runs", tmp_path, "--stages", "lenet-relu,bench-lenet,bench-gpt")
     assert code == 0, out
-    assert started == {"lenet-relu": warm_python.executable(), "bench-lenet": warm_python.executable(),
-                       "bench-gpt": warm_python.REAL} and warm_python.REAL != warm_python.executable()
-    assert handed["bench-gpt"] == warm_python.executable()  # its probes go to the lab's server
+    warm = warm_python.executable()
+    # bench-gpt's probes go to the lab's server
+    assert started == {"lenet-relu": (warm, warm), "bench-lenet": (warm, warm), "bench-gpt": (warm_python.REAL, warm)}
+    assert warm_python.REAL != warm
     assert not any(s.real for s in lab.lab_stages(tmp_path, "data", "report") if s.name.startswith("lenet-"))
     monkeypatch.setattr(lab, "cuda_devices", lambda: 2)
     assert all(s.real for s in lab.lab_stages(tmp_path, "data", "report"))
+    started.clear()  # and no server is handed on when no stage would use it
+    assert run_lab(capsys, "--runs", tmp_path / "gpu", "--stages", "lenet-relu")[0] == 0
+    assert started == {"lenet-relu": (warm_python.REAL, warm_python.REAL)}
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path, capsys):
