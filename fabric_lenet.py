@@ -419,22 +419,23 @@ def load_data(cfg: Config):
 
 
 def make_model(cfg: Config) -> tuple[nn.Module, dict]:
-    """LeNet-5 in the run's layout and compiled form, and a dict that conv1's first output fills with the dtype it
+    """LeNet-5 in the run's layout and compiled form, and a dict that conv1's output fills with the dtype it
     computed in (what the record says ran)."""
     model = LeNet5(cfg)
     if layout(cfg).threads and cfg.precision == "bf16-mixed":
         # DataParallel's worker threads re-enter autocast without its dtype, so the replicas would compute in
         # the thread's default, float16 on CUDA, with no loss scaler: the model names its dtype itself
         model.autocast_dtype = torch.bfloat16
-    compute = {}
+    compute = {"dtype": None}  # its key there from the start: compiled, a change of keys fails a guard (recompiles)
 
     def note_dtype(module, args, out) -> None:
-        compute.setdefault("dtype", str(out.dtype))
+        compute["dtype"] = str(out.dtype)
     model.features[0].register_forward_hook(note_dtype)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
-        model = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+        # static: the short last batch gets its own graph (a dynamic one would recapture every later full batch)
+        model = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode, dynamic=False)
     return model, compute
 
 

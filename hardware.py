@@ -128,6 +128,13 @@ def host_sync_forbidden(active: bool):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (each recompilation is one more)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def cuda_graphs(compiled: bool, mode: str, device: torch.device) -> str | None:
     """What became of torch.compile's reduce-overhead CUDA graphs (forward and backward captured once, then
     replayed): torch.compile falls back to launching kernels one by one, quietly, when it cannot capture."""

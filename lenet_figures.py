@@ -9,7 +9,7 @@ import statistics
 import torch
 
 import datasets_local
-from hardware import cuda_graphs
+from hardware import compiled_graphs, cuda_graphs
 
 TARGETS = (0.99, 0.992)  # test accuracies whose time of training the summary reports
 
@@ -75,8 +75,9 @@ def print_summary(fabric, summary: dict) -> None:
     reached = [f"{target} after {r['train_time_s']:.2f} s (step {r['step']})" if r else f"{target} not reached"
                for target, r in summary["time_to_accuracy"].items()]
     fabric.print(f"time to test accuracy: {', '.join(reached)}; measured at evaluation points (--eval-every)")
-    if summary.get("cuda_graphs"):
-        fabric.print(f"CUDA graphs: {summary['cuda_graphs']}")
+    if summary.get("compiled_graphs"):
+        graphs = f"; CUDA graphs {summary['cuda_graphs']}" if summary["cuda_graphs"] else ""
+        fabric.print(f"torch.compile: {count(summary['compiled_graphs'], 'graph')} (one per batch shape and mode){graphs}")
 
 
 def summarize(fabric, cfg, result: dict, progress, n_train: int, first_epoch_here: int, compute: dict,
@@ -88,7 +89,8 @@ def summarize(fabric, cfg, result: dict, progress, n_train: int, first_epoch_her
             "epochs": progress.epoch + (1 if progress.step_in_epoch else 0), "steps": progress.global_step,
             "train_time_s": progress.train_time_s, "samples_per_s": samples / max(progress.train_time_s, 1e-9),
             "world_size": fabric.world_size, "device": str(fabric.device), "precision_probe": probe,
-            "compute_dtype": compute.get("dtype"), "cuda_graphs": cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device),
+            "compute_dtype": compute["dtype"], "cuda_graphs": cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device),
+            "compiled_graphs": compiled_graphs() if cfg.compile else None,
             "time_to_accuracy": time_to_accuracy(progress.history),
             "samples_per_s_steady": steady_speed(progress.history, first_epoch_here),
             "history": progress.history, "epoch_history": [h for h in progress.history if not h.get("partial")]}

@@ -155,6 +155,9 @@ def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProces
     argument parsing on, without a new interpreter importing torch, Lightning and transformers again (about
     3.5 s of CPU each time). Multi-process runs, signals and the command line itself use run_script."""
     module = importlib.import_module(Path(script).stem)
+    if "torch._dynamo" in sys.modules:  # as a new process would: no graphs compiled yet, none counted
+        sys.modules["torch._dynamo"].reset()
+        sys.modules["torch._dynamo"].utils.counters.clear()
     out, err, code = io.StringIO(), io.StringIO(), 0
     environ = dict(os.environ)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
