@@ -17,6 +17,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,11 +29,21 @@ from layout import layout
 REPO = Path(__file__).resolve().parent
 
 
-def run(script: str, args: list, env: dict | None = None) -> tuple[int, str]:
-    """Run a script as a user would; return its exit code and the last line it printed to stderr."""
-    proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, text=True, capture_output=True,
-                          env={**os.environ, **(env or {})})
-    return proc.returncode, last_line(proc.stderr)
+def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tuple[int, str]:
+    """Run a script as a user would; return its exit code and the last line it printed to stderr (rank 0's). Several
+    ranks start side by side under torchrun, as a user launches them: Fabric's own launcher starts rank 1 only once
+    rank 0 has imported everything, 2-5 s a case on 2 cores. Each gets the threads Fabric would give it (torchrun
+    would give one), and writes its stderr to a file of its own, so that torchrun's report of a failure does not
+    hide what the rank said."""
+    command, env = [sys.executable, script, *map(str, args)], {**os.environ, **(env or {})}
+    with tempfile.TemporaryDirectory() as logs:
+        if ranks > 1:
+            command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                            "--log-dir", logs, "--redirects", "2"]
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+        proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True, env=env)
+        rank0 = sorted(Path(logs).glob("*/attempt_*/0/stderr.log"))
+        return proc.returncode, last_line((rank0[-1].read_text() if rank0 else "") or proc.stderr)
 
 
 def last_line(stderr: str) -> str:
@@ -40,7 +51,8 @@ def last_line(stderr: str) -> str:
     return (stderr.strip().splitlines() or [""])[-1]
 
 
-def run_case(folder: Path, keep: bool, script: str, flags: list, env: dict | None = None) -> tuple[int, str]:
+def run_case(folder: Path, keep: bool, script: str, flags: list, env: dict | None = None,
+             ranks: int = 1) -> tuple[int, str]:
     """Run one case of a benchmark into `folder` (its --run-name). --keep (make lab) reuses a case whose run
     finished with the same command, so an interrupted sweep continues; a case whose flags changed since (a new
     recipe, other ARGS), a half-done one, and any case without --keep start clean."""
@@ -49,7 +61,7 @@ def run_case(folder: Path, keep: bool, script: str, flags: list, env: dict | Non
     if keep and (folder / "record.json").exists() and case.exists() and json.loads(case.read_text()) == command:
         return 0, "kept"
     shutil.rmtree(folder, ignore_errors=True)
-    code, last = run(script, flags, env)
+    code, last = run(script, flags, env, ranks)
     if code == 0:
         write_json_atomic(case, command)
     return code, last
@@ -116,6 +128,7 @@ def bench_lenet(args) -> None:
                      f"{m['train_s_mean']:.1f} | {m['samples_per_s_mean']:,.0f} | {m['samples_per_s_mean'] / base:.1f}x | {t99} |")
     table = "\n".join(lines)
     print(table)
+    out.mkdir(parents=True, exist_ok=True)  # every case may have failed before its run made a folder here
     (out / "table.md").write_text(table + "\n")
     write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "results": results, "recipes": summary,
                                            "short_recipe": SHORT_RECIPE, "seeds": args.seeds})
@@ -184,7 +197,7 @@ def bench_gpt(args) -> None:
                  "--accelerator", args.accelerator, "--micro-batch-size", micro, *accum, "--num-samples",
                  args.num_samples, "--out-dir", out, "--run-name", run_name, *args.extra]
         started = time.time()
-        code, last = run_case(out / run_name, args.keep, "fabric_gpt.py", flags, env)
+        code, last = run_case(out / run_name, args.keep, "fabric_gpt.py", flags, env, ranks=devices)
         print(f"{run_name} on {devices} device(s): {'ok' if code == 0 else 'failed: ' + last} ({time.time() - started:.0f} s)",
               flush=True)
         record = read_record(out / run_name) if code == 0 else None
@@ -284,6 +297,7 @@ def write_table(out: Path, args, rows: list) -> None:
                       f"{100 * statistics.median(abs(e) for e in errors):.0f}%, worst {max(ratios):.2f}x off."]
     table = "\n".join(lines)
     print(table)
+    out.mkdir(parents=True, exist_ok=True)  # every case may have failed before its run made a folder here
     (out / "table.md").write_text(table + "\n")
     write_json_atomic(out / "bench.json", {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows})
     print(f"wrote {out}/table.md and bench.json")
@@ -368,6 +382,7 @@ def bench_text(args) -> None:
                      f"({min(ratios):.2f}-{max(ratios):.2f}) |")
     table = "\n".join(lines)
     print(table)
+    out.mkdir(parents=True, exist_ok=True)  # every case may have failed before its run made a folder here
     (out / "table.md").write_text(table + "\n")
     write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "steps": args.steps, "eval_windows": args.eval_windows,
                                            "recipe": NANOGPT_RECIPE,

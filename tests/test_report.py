@@ -18,7 +18,7 @@ from fabric_lenet import Config
 def bench_lenet_in_process(runs, mnist_dir):
     """`bench.py lenet` with every case cut to a few steps, its training runs in this process (the command line
     of each is what the benchmark builds): the tables it writes, not the speed, are under test."""
-    def run(script, args, env=None):
+    def run(script, args, env=None, ranks=1):
         proc = run_in_process(script, *args, check=False)
         return proc.returncode, bench.last_line(proc.stderr)
 
@@ -125,6 +125,18 @@ def test_half_written_and_old_runs_give_notes(runs, tmp_path):
     assert "`lenet-killed` has no record.json" in text and "RESUME=auto RUN=lenet-killed" in text
     assert "could not be built (KeyError" in text
     assert "bench.json` is unreadable" in text
+
+
+@pytest.mark.slow  # a 2-process benchmark case, started under torchrun
+def test_a_failed_case_of_the_gpt_sweep_shows_what_its_rank_said(tmp_path):
+    """bench.py starts a case's ranks side by side under torchrun: a case that fails shows rank 0's own last line in
+    the table, not torchrun's report of the failure, which follows it on torchrun's stderr."""
+    run_script("bench.py", "--out-dir", tmp_path, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
+               "--num-samples", "32", "--strategies", "ddp", "--precisions", "32-true", "--", "--tp-size", "2")
+    out = tmp_path / "bench-gpt-tiny-2xcpu"
+    [row] = json.loads((out / "bench.json").read_text())["rows"]
+    assert row["record"] is None and row["error"].startswith("error: --tp-size applies to --strategy tp or fsdp_tp")
+    assert "| ddp | 32-true | 2 | failed: error: --tp-size applies" in (out / "table.md").read_text()
 
 
 def test_benchmark_output_flags_work_before_and_after_the_command():
