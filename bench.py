@@ -67,6 +67,17 @@ def run_case(folder: Path, keep: bool, script: str, flags: list, env: dict | Non
     return code, last
 
 
+def write_results(out: Path, lines: list, result: dict) -> None:
+    """A benchmark's table printed and written to table.md, and its figures to bench.json. The folder is made here:
+    every case of a sweep may have failed before its run made one."""
+    table = "\n".join(lines)
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n")
+    write_json_atomic(out / "bench.json", result)
+    print(f"wrote {out}/table.md and bench.json")
+
+
 def progress(items, desc: str):
     """A progress bar on a terminal, plain lines otherwise (CI, redirected output)."""
     if sys.stderr.isatty():
@@ -126,13 +137,8 @@ def bench_lenet(args) -> None:
         spread = f"{100 * m['acc_std']:.2f}" if args.seeds > 1 else "n/a"
         lines.append(f"| {recipe} | `{flags}` | {100 * m['acc_mean']:.2f}% ± {spread} | {100 * m['acc_min']:.2f}% | "
                      f"{m['train_s_mean']:.1f} | {m['samples_per_s_mean']:,.0f} | {m['samples_per_s_mean'] / base:.1f}x | {t99} |")
-    table = "\n".join(lines)
-    print(table)
-    out.mkdir(parents=True, exist_ok=True)  # every case may have failed before its run made a folder here
-    (out / "table.md").write_text(table + "\n")
-    write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "results": results, "recipes": summary,
-                                           "short_recipe": SHORT_RECIPE, "seeds": args.seeds})
-    print(f"wrote {out}/table.md and bench.json")
+    write_results(out, lines, {"cpu": cpu_label(), "results": results, "recipes": summary,
+                               "short_recipe": SHORT_RECIPE, "seeds": args.seeds})
 
 
 # The shortest recipe to 99.0% found: no augmentation (it slows early progress), 2 epochs of one-cycle at batch 192,
@@ -295,12 +301,7 @@ def write_table(out: Path, args, rows: list) -> None:
                "head at the run's shape, memory and gloo bandwidth" if on_cpu else "the GPU's cluster preset")
         lines += ["", f"Predicted (perf_model.py from {how}) against measured step time: median absolute error "
                       f"{100 * statistics.median(abs(e) for e in errors):.0f}%, worst {max(ratios):.2f}x off."]
-    table = "\n".join(lines)
-    print(table)
-    out.mkdir(parents=True, exist_ok=True)  # every case may have failed before its run made a folder here
-    (out / "table.md").write_text(table + "\n")
-    write_json_atomic(out / "bench.json", {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows})
-    print(f"wrote {out}/table.md and bench.json")
+    write_results(out, lines, {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows})
 
 
 def model_state_mib(rec: dict) -> str:
@@ -380,14 +381,8 @@ def bench_text(args) -> None:
         ratios = [r["tokens_per_s"] / n for r, n in zip(runs, nano)]
         lines.append(f"| {name} | {loss:.4f} | {speed:,.0f} | {speed / base:.2f}x | {statistics.median(ratios):.2f}x "
                      f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    table = "\n".join(lines)
-    print(table)
-    out.mkdir(parents=True, exist_ok=True)  # every case may have failed before its run made a folder here
-    (out / "table.md").write_text(table + "\n")
-    write_json_atomic(out / "bench.json", {"cpu": cpu_label(), "steps": args.steps, "eval_windows": args.eval_windows,
-                                           "recipe": NANOGPT_RECIPE,
-                                           "results": results})
-    print(f"wrote {out}/table.md and bench.json")
+    write_results(out, lines, {"cpu": cpu_label(), "steps": args.steps, "eval_windows": args.eval_windows,
+                               "recipe": NANOGPT_RECIPE, "results": results})
 
 
 def build_parser() -> argparse.ArgumentParser:
