@@ -250,7 +250,8 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     # every 16-bit copy the forward made (autocast keeps them until its region ends, then frees them into the heap)
     all_copies = in_flight * layers * weight_copies + head_copy
     return {"activations_full": full, "activations_checkpointed": checkpointed, "logits_gradient": s * b * V * 4 / t,
-            "weight_copies": all_copies}
+            "weight_copies": all_copies, "block_activations": checkpointed - head - logits - weight_copies
+            if cfg.grad_checkpointing else in_flight * layers * per_layer}
 
 
 def plans_for_gpu(cfg) -> bool:
@@ -283,10 +284,10 @@ NVME_SUB_GROUP, NVME_PARAM_BUFFERS, NVME_MAX_IN_CPU = 2.5e7, 8 * 4.1e7, 5e7
 
 
 # The host plan against the measured peak RSS: the 1.6B model under ZeRO-Infinity 3% over (10.3 planned, 10.01 GiB
-# measured per process), GPT-2 small's width with 4 blocks on one process from 3.1% under to 1.4% over (float32,
-# bf16, checkpointing, micro-batch 2 and 8; tests/test_gpt.py; bf16 with checkpointing 0.3% over since autocast's
-# freed weight copies count at the checkpoint, 3.7-5.7% over before): a run is refused when the plan plus this share
-# does not fit, rather than a flat 10% that refused the documented 1.6B command on a 24 GiB machine
+# measured per process), GPT-2 small's width with 4 blocks on one process 1.0-3.9% under (float32, bf16, checkpointing,
+# micro-batch 2 and 8, AVX-512 EPYC; tests/test_gpt.py; freed_but_resident: counting every freed tensor planned the
+# bf16 run with checkpointing 7.0% over there): a run is refused when the plan plus this share does not fit, rather
+# than a flat 10% that refused the documented 1.6B command on a 24 GiB machine
 HOST_PLAN_MARGIN = 0.05
 
 
@@ -319,15 +320,37 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
     training = offload + (0 if on_gpu else device_plan["total"])
     # Saving through Fabric's single-file checkpoint (one process, ddp) serializes the whole file into memory
     # first (lightning's _atomic_save writes a BytesIO): the weights and optimizer states, once more. The gradients,
-    # freed after the step, are still in the process's heap (glibc keeps them for the next step), and so are
-    # autocast's 16-bit weight copies: measured on CPU, the peak is then states x 2 + gradients (+ the copies)
-    # above the libraries (docs/gpt.md)
+    # freed after the step, are partly still in the process's heap, and so are autocast's 16-bit weight copies
+    # (freed_but_resident): measured on CPU, the peak is then states x 2 + those (docs/gpt.md)
     states = device_plan["params"] + device_plan["optimizer"] + device_plan["master"]
-    kept = device_plan["grads"] + device_plan["weight_copies"]
+    kept = freed_but_resident(cfg, word, copies=device_plan["weight_copies"] > 0,
+                              activations=device_plan.get("block_activations", 0))
     checkpoint = 0 if on_gpu or lay.sharded_states else 2 * states + kept
     per_process = baseline + max(construction, training, checkpoint)
     return {"baseline": baseline, "construction": construction, "offload": offload, "training": training,
             "checkpoint": checkpoint, "per_process": per_process, "machine": per_process * cfg.devices}
+
+
+# glibc serves an allocation of 32 MiB or more (its largest mmap threshold) from mmap and unmaps it when freed;
+# smaller blocks go back to the heap for reuse, where the process's resident memory still counts them
+MMAP_THRESHOLD = 32 * 2**20
+
+
+def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> float:
+    """Bytes a replicated model's process still holds after a step freed them: the tensors under glibc's mmap
+    threshold among its gradients (word bytes an element), autocast's 16-bit weight copies (with `copies`) and the
+    blocks' activations. GPT-2 small's 154 MB embedding gradient goes back to the system, its 2-9 MB block matrices
+    stay. Measured with mallinfo2 before a save (GPT-2 small's width, 4 blocks, AVX-512 EPYC): 0.165 GiB of freed
+    heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing (0.239; every freed tensor counted, 0.375)."""
+    h, V, S, L, s, b = cfg.n_embd, cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.seq_len, cfg.micro_batch_size
+    matrices = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+
+    def resident(numels, nbytes):
+        return sum(n * nbytes for n in numels if n * nbytes < MMAP_THRESHOLD)
+
+    grads = resident((V * h, S * h), word) + L * (resident(matrices, word) + 13 * h * word)
+    weight_copies = L * resident(matrices, 2) + resident((V * h,), 2) if copies else 0
+    return grads + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)  # c_fc's output
 
 
 def process_baseline() -> float:
