@@ -9,6 +9,7 @@ an interrupted benchmark keeps its finished cases. Each stage's output goes to r
 """
 
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -161,15 +162,21 @@ def lab(args) -> int:
 
 
 # ----------------------------------------------------------------------------- how long it takes
-# Each stage's seconds in a whole `make lab` on REFERENCE_CPU (as bench.cpu_label names it: 2 cores, no GPU,
-# 2026-11-26), and that CPU's float32 matmul rate there (accounting.cpu_matmul_peak). A CPU of that name takes them
-# as they are (the same CPU measured 0.34-1.0x of that rate within a day, under other load); any other CPU scales them
-# by the rate it measures, a rough guess; once a lab has timed its stages here (runs/lab/timings.json), those times.
-REFERENCE_CPU = "AMD EPYC, 2 cores (AVX2)"
-REFERENCE_FLOPS = 129e9
-REFERENCE_SECONDS = {"data": 9, "lenet-relu": 72, "gelu-check": 2, "lenet-gelu_torch": 110, "lenet-gelu_py": 161,
-                     "lenet-gelu_cpp": 103, "bench-gelu": 49, "bench-lenet": 54, "bench-gpt": 557, "gpu-check": 0,
-                     "report": 3}  # bench-gpt: 20 cases 451 s (building CPU Adam in the first ZeRO-Offload one), probes 106 s
+# Each stage's seconds in a whole `make lab` from a fresh clone on the CPUs it was timed on (as bench.cpu_label names
+# them: 2 cores, no GPU), with that CPU's float32 matmul rate there (accounting.cpu_matmul_peak). A CPU of one of these
+# names takes its times as they are (the AVX2 EPYC measured 0.34-1.0x of its rate within a day, under other load); any
+# other CPU the times of the reference nearest its measured rate, scaled by the ratio, a rough guess (the AVX2
+# EPYC's times scaled to the AVX-512 one said 12 min for its 7.8); once a lab has timed its stages here
+# (runs/lab/timings.json), those times.
+REFERENCES = {
+    "AMD EPYC, 2 cores (AVX2)": (129e9, {  # 2026-11-26; bench-gpt: 20 cases 451 s (CPU Adam built in the first
+        # ZeRO-Offload one), probes 106 s
+        "data": 9, "lenet-relu": 72, "gelu-check": 2, "lenet-gelu_torch": 110, "lenet-gelu_py": 161, "lenet-gelu_cpp": 103,
+        "bench-gelu": 49, "bench-lenet": 54, "bench-gpt": 557, "gpu-check": 0, "report": 3}),
+    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27, 469 s in all
+        "data": 4, "lenet-relu": 32, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 67, "lenet-gelu_cpp": 35,
+        "bench-gelu": 22, "bench-lenet": 18, "bench-gpt": 250, "gpu-check": 0, "report": 1}),
+}
 TIMINGS = "lab/timings.json"  # under --runs
 
 
@@ -183,14 +190,16 @@ def expected_duration(stages: list, runs: Path, force: bool) -> str:
     if here and all(s.name in timed["seconds"] for s in todo):
         seconds, how = sum(timed["seconds"][s.name] for s in todo), f"as the stages took here before ({runs / TIMINGS})"
     else:
-        scale, how = 1.0, "as a whole lab took on this CPU model (lab.REFERENCE_SECONDS)"
-        if cpu_label() != REFERENCE_CPU:
+        reference, scale, how = cpu_label(), 1.0, "as a whole lab took on this CPU model (lab.REFERENCES)"
+        if reference not in REFERENCES:
             import accounting
 
-            scale = REFERENCE_FLOPS / accounting.cpu_matmul_peak("32-true")[0]
-            how = f"the stages' times on an {REFERENCE_CPU}, scaled by this CPU's measured matmul rate ({1 / scale:.2f}x)"
+            rate = accounting.cpu_matmul_peak("32-true")[0]
+            reference = min(REFERENCES, key=lambda cpu: abs(math.log(REFERENCES[cpu][0] / rate)))
+            scale = REFERENCES[reference][0] / rate
+            how = f"the stages' times on an {reference}, scaled by this CPU's measured matmul rate ({1 / scale:.2f}x)"
         seconds = sum(timed["seconds"].get(s.name) if here and s.name in timed["seconds"] else
-                      REFERENCE_SECONDS.get(s.name, 60) * scale for s in todo)
+                      REFERENCES[reference][1].get(s.name, 60) * scale for s in todo)
     return f"{len(todo)} stage(s) to run, expected to take about {seconds / 60:.0f} min on this machine ({how})"
 
 

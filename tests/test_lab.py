@@ -132,22 +132,27 @@ def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
 
 
 def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path, monkeypatch):
-    """Before its first stage: the stages still to run, from the reference CPU's times scaled by this CPU's measured
-    matmul rate (the reference CPU's own, as they are), and, once a lab has timed its stages on this CPU, from those
-    times (finished stages count 0)."""
+    """Before its first stage: the stages still to run, from a reference CPU's times (a reference CPU's own, as they
+    are; another CPU, those of the reference nearest its measured matmul rate, scaled by the ratio), and, once a lab
+    has timed its stages on this CPU, from those times (finished stages count 0)."""
     import accounting
     import bench
 
-    monkeypatch.setattr(accounting, "cpu_matmul_peak", lambda precision: (lab.REFERENCE_FLOPS / 2, "float32 matmul"))
     stages = lab.lab_stages(tmp_path, str(tmp_path / "data"), "report")
     todo = [s for s in stages if not s.optional]
-    minutes = sum(lab.REFERENCE_SECONDS[s.name] for s in todo) / 60
-    monkeypatch.setattr(bench, "cpu_label", lambda: lab.REFERENCE_CPU)
-    same = lab.expected_duration(stages, tmp_path, force=False)
-    assert f"about {minutes:.0f} min" in same and "on this CPU model" in same
+    (slow, (slow_rate, _)), (fast, (fast_rate, _)) = sorted(lab.REFERENCES.items(), key=lambda kv: kv[1][0])[:2]
+    for cpu in (slow, fast):
+        monkeypatch.setattr(bench, "cpu_label", lambda: cpu)
+        minutes = sum(lab.REFERENCES[cpu][1][s.name] for s in todo) / 60
+        same = lab.expected_duration(stages, tmp_path, force=False)
+        assert f"about {minutes:.0f} min" in same and "on this CPU model" in same, same
     monkeypatch.setattr(bench, "cpu_label", lambda: "Another CPU, 2 cores (AVX2)")
-    guess = lab.expected_duration(stages, tmp_path, force=False)
-    assert f"{len(todo)} stage(s) to run" in guess and f"about {2 * minutes:.0f} min" in guess and "(0.50x)" in guess
+    for rate, cpu in ((slow_rate / 2, slow), (fast_rate * 2, fast)):  # the nearest reference, scaled
+        monkeypatch.setattr(accounting, "cpu_matmul_peak", lambda precision: (rate, "float32 matmul"))
+        minutes = sum(lab.REFERENCES[cpu][1][s.name] for s in todo) / 60 * lab.REFERENCES[cpu][0] / rate
+        guess = lab.expected_duration(stages, tmp_path, force=False)
+        assert f"{len(todo)} stage(s) to run" in guess and f"about {minutes:.0f} min" in guess, guess
+        assert f"on an {cpu}," in guess and f"({rate / lab.REFERENCES[cpu][0]:.2f}x)" in guess, guess
     for s in todo:
         lab.record_timing(tmp_path, s.name, 60.0, resumed=False)
     lab.record_timing(tmp_path, "lenet-relu", 1.0, resumed=True)  # a continued run's remainder is not its time
