@@ -90,9 +90,11 @@ def _measure_matmul_peak(precision: str, n: int, seconds: float) -> tuple[float,
         if fn is None:
             rates[name] = _rate(lambda: a32 @ b32, n, seconds / len(paths))
             continue
-        # an emulated path (no bf16 instructions) takes seconds a call at n = 1024: measured on a quarter of it
+        # an emulated path (no bf16 instructions) takes seconds a call at n = 1024: measured at 256 when a call at n
+        # would not fit a few times in its share of the time (under the AVX2 caps on an AVX-512 BF16 EPYC the path
+        # ran 2-3 GFLOP/s at 256 and 1.2 at 1024: 15 s for this probe at 1024, where a fixed 2 GFLOP/s cut let it)
         small = _rate(lambda: fn(a32[:256, :256].bfloat16(), b32[:256, :256].bfloat16()), 256, 0.02)
-        m = n if small > 2e9 else 256
+        m = n if 2 * n**3 / small < seconds / len(paths) / 4 else 256
         a, b = a32[:m, :m].bfloat16(), b32[:m, :m].bfloat16()
         rates[name] = _rate(lambda: fn(a, b), m, seconds / len(paths))
     best = max(rates, key=rates.get)
