@@ -9,6 +9,7 @@ bandwidth times the ring algorithm's factor (all-reduce 2(n-1)/n, all-gather and
 """
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -99,7 +100,11 @@ def measured_cpu_cluster(precision: str) -> Cluster:
     link, and the step itself from the strategy's fixed cost and the work of the run's shape (cpu_step)."""
     import cpu_probe
 
-    return cpu_cluster(precision, accounting.measured_cpu_matmul_flops(precision), cpu_probe.gloo_link(), probe="measure")
+    # a CPU plan's ranks share the machine's cores: the peak of all of them, whatever this process's own threads
+    # (one in a pytest-xdist worker, where the plan's MFU of a 2-rank run could pass 100%)
+    with cpu_probe.threads(os.cpu_count() or 1):
+        peak = accounting.measured_cpu_matmul_flops(precision)
+    return cpu_cluster(precision, peak, cpu_probe.gloo_link(), probe="measure")
 
 
 def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None, probe: str = "") -> Cluster:
