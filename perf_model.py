@@ -100,10 +100,11 @@ def measured_cpu_cluster(precision: str) -> Cluster:
     link, and the step itself from the strategy's fixed cost and the work of the run's shape (cpu_step)."""
     import cpu_probe
 
-    # a CPU plan's ranks share the machine's cores: the peak of all of them, whatever this process's own threads
-    # (one in a pytest-xdist worker, where the plan's MFU of a 2-rank run could pass 100%)
-    with cpu_probe.threads(os.cpu_count() or 1):
-        peak = accounting.measured_cpu_matmul_flops(precision)
+    # a CPU plan's ranks share the machine's cores: one core's peak times the cores, whatever this process's own
+    # threads. Measured on one thread, which another process's load slows by its share of a core; on every core
+    # beside such a load OpenMP's threads wait on each other (42 GFLOP/s against 203 quiet: a plan's MFU of 144%)
+    with cpu_probe.threads(1):
+        peak = accounting.measured_cpu_matmul_flops(precision) * (os.cpu_count() or 1)
     return cpu_cluster(precision, peak, cpu_probe.gloo_link(), probe="measure")
 
 
