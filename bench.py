@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent
 
 
 def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tuple[int, str]:
-    """Run a script as a user would; return its exit code and the last line it printed to stderr (rank 0's). Several
+    """Run a script as a user would; return its exit code and the last line it printed to stderr (a rank's). Several
     ranks start side by side under torchrun, as a user launches them: Fabric's own launcher starts rank 1 only once
     rank 0 has imported everything, 2-5 s a case on 2 cores. Each gets the threads Fabric would give it (torchrun
     would give one), and writes its stderr to a file of its own, so that torchrun's report of a failure does not
@@ -42,8 +42,12 @@ def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tup
                             "--log-dir", logs, "--redirects", "2"]
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
         proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True, env=env)
-        rank0 = sorted(Path(logs).glob("*/attempt_*/0/stderr.log"))
-        return proc.returncode, last_line((rank0[-1].read_text() if rank0 else "") or proc.stderr)
+        # the first rank's `error: ...`, else rank 0's last line: torchrun stops the other ranks once one has failed,
+        # perhaps before rank 0 said the same
+        said = [last_line(f.read_text()) for f in sorted(Path(logs).glob("*/attempt_*/*/stderr.log"), key=lambda f: (
+            f.parent.parent.name, int(f.parent.name)))]
+        said = [line for line in said if line.startswith("error")] + said
+        return proc.returncode, next((line for line in said if line), last_line(proc.stderr))
 
 
 def last_line(stderr: str) -> str:
