@@ -88,17 +88,16 @@ def exits(*errors):
         time.sleep(3)  # a rank on this machine: the rank watch names it, given a moment
         sys.exit(f"error: another process of this run stopped answering ({str(e).splitlines()[0][:160]}); see its "
                  f"output above, and resume from the last complete checkpoint with --resume auto")
-    except Stopped as e:  # every rank agreed to stop at this step and saved: the group goes down as at a run's end
-        end_process_group()
+    except Stopped as e:
         sys.exit(e.exit_code)
     finally:
         stop.close()
 
 
 def end_process_group() -> None:
-    """A run that ended well, or stopped on a signal, takes its process group down itself (Fabric leaves it up): left
-    to the interpreter's exit, its threads were once torn down mid-call ("terminate called without an active
-    exception", SIGABRT) after a two-node ZeRO-3 run had written its record."""
+    """A run that ended well takes its process group down itself (Fabric leaves it up): left to the interpreter's exit,
+    its threads were once torn down mid-call ("terminate called without an active exception", SIGABRT) after a
+    two-node ZeRO-3 run had written its record."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
