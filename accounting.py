@@ -251,14 +251,16 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     in_flight = 1
     if lay.pipeline:  # the first stage holds activations of up to p (1F1B) or m (GPipe) micro-batches
         in_flight = min(p, cfg.grad_accum) if cfg.pp_schedule == "1f1b" else cfg.grad_accum
-    full = in_flight * layers * (per_layer + weight_copies) + head + logits
+    blocks_full = in_flight * layers * per_layer
     # checkpointing keeps each block's input (the residual stream) and recomputes one block at a time
-    checkpointed = in_flight * layers * s * b * h * r + per_layer + weight_copies + head + logits
+    blocks_checkpointed = in_flight * layers * s * b * h * r + per_layer
+    full = blocks_full + in_flight * layers * weight_copies + head + logits
+    checkpointed = blocks_checkpointed + weight_copies + head + logits
     # every 16-bit copy the forward made (autocast keeps them until its region ends, then frees them into the heap)
     all_copies = in_flight * layers * weight_copies + head_copy
     return {"activations_full": full, "activations_checkpointed": checkpointed, "logits_gradient": s * b * V * 4 / t,
-            "weight_copies": all_copies, "block_activations": checkpointed - head - logits - weight_copies
-            if cfg.grad_checkpointing else in_flight * layers * per_layer}
+            "weight_copies": all_copies,
+            "block_activations": blocks_checkpointed if cfg.grad_checkpointing else blocks_full}
 
 
 def plans_for_gpu(cfg) -> bool:
@@ -331,7 +333,7 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
     # (freed_but_resident): measured on CPU, the peak is then states x 2 + those (docs/gpt.md)
     states = device_plan["params"] + device_plan["optimizer"] + device_plan["master"]
     kept = freed_but_resident(cfg, word, copies=device_plan["weight_copies"] > 0,
-                              activations=device_plan.get("block_activations", 0))
+                              activations=device_plan["block_activations"])
     checkpoint = 0 if on_gpu or lay.sharded_states else 2 * states + kept
     per_process = baseline + max(construction, training, checkpoint)
     return {"baseline": baseline, "construction": construction, "offload": offload, "training": training,
@@ -349,13 +351,14 @@ def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> floa
     blocks' activations. GPT-2 small's 154 MB embedding gradient goes back to the system, its 2-9 MB block matrices
     stay. Measured with mallinfo2 before a save (GPT-2 small's width, 4 blocks, AVX-512 EPYC): 0.165 GiB of freed
     heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing (0.239; every freed tensor counted, 0.375)."""
-    h, V, S, L, s, b = cfg.n_embd, cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.seq_len, cfg.micro_batch_size
+    h, V, L, s, b = cfg.n_embd, cfg.vocab_size, cfg.n_layer, cfg.seq_len, cfg.micro_batch_size
     matrices = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
 
     def resident(numels, nbytes):
         return sum(n * nbytes for n in numels if n * nbytes < MMAP_THRESHOLD)
 
-    grads = resident((V * h, S * h), word) + L * (resident(matrices, word) + 13 * h * word)
+    biases_and_norms = block_params(h) - sum(matrices)
+    grads = resident((V * h, s * h), word) + L * (resident(matrices, word) + biases_and_norms * word)
     weight_copies = L * resident(matrices, 2) + resident((V * h,), 2) if copies else 0
     return grads + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)  # c_fc's output
 
