@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from hardware import cpu_name, cpu_units, isa_caps
+from hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps
 from checkpoints import read_record, write_json_atomic
 from layout import layout
 
@@ -343,6 +343,7 @@ def bench_text(args) -> None:
 
     out = Path(args.out_dir) / "bench-text"
     text_corpus.prepare("", "char", 0, args.data_dir)  # once, before the cases
+    compile_cache_per_caps()  # for nanogpt_reference.py's torch.compile (fabric_gpt.py keys its own)
     batch = int(NANOGPT_RECIPE[NANOGPT_RECIPE.index("--micro-batch-size") + 1])
     if args.eval_windows % batch:
         sys.exit(f"error: --eval-windows {args.eval_windows}: a multiple of the recipe's batch of {batch} is needed")

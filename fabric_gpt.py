@@ -36,7 +36,7 @@ import text_corpus
 from checkpoints import ResumeError
 from flags import ConfigError, opt, requeue_flag, resume_flag
 from gpt_model import PRESETS, attention_kernel, build_model, count_parameters, resolve_attention
-from hardware import check_hardware, return_freed_host_memory, uses_gpu
+from hardware import check_hardware, compile_cache_per_caps, return_freed_host_memory, uses_gpu
 from layout import STRATEGIES, check_sizes, layout
 from ranks import check_launcher, launch, take_fabric_run_settings
 from run_state import Progress, Run, exit_without_teardown, exits, find_run
@@ -525,6 +525,7 @@ def setup_model(fabric: Fabric, cfg: Config):
     plan predicts."""
     model = build_model(cfg, fabric)
     if cfg.compile:
+        compile_cache_per_caps()
         model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
     if layout(cfg).model_parallel:  # parameters are replaced while sharding: the optimizer after
         model = fabric.setup_module(model)

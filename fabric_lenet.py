@@ -27,7 +27,7 @@ import flags
 import lenet_figures
 from flags import ConfigError, opt, requeue_flag, resume_flag
 from gelu_ext import ACTIVATIONS, GeluBuildError
-from hardware import check_hardware, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
+from hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
 from layout import layout
 from ranks import check_launcher, launch, take_fabric_run_settings
 from run_state import Progress, Run, exit_without_teardown, exits, find_run
@@ -217,8 +217,7 @@ def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tenso
     --checkpoint-every and on a stop request (then the stop). True at --max-steps."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
     step = progress.global_step
-    (stopping,) = run.stop.requested(fabric)
-    last = reached_max_steps(progress, cfg)
+    (stopping,), last = run.stop.requested(fabric), reached_max_steps(progress, cfg)
     log_due, eval_due = step % cfg.log_every == 0, cfg.eval_every and step % cfg.eval_every == 0
     save_due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping
     if log_due or eval_due or save_due or last:
@@ -401,8 +400,7 @@ def main(argv=None) -> dict:
         data = (train_set, on_device(test_set.tensors()),
                 on_device(train_set.tensors()) if cfg.data == "memory" else None)
         result = train(run, model, optimizer, scheduler, data)
-        record = lenet_figures.summarize(fabric, cfg, result, progress, len(train_set), first_epoch_here, compute,
-                                         probe)
+        record = lenet_figures.summarize(fabric, cfg, result, progress, len(train_set), first_epoch_here, compute, probe)
         summary = run.finish(record, {f"hparams/{k}": result[k] for k in ("test_acc", "test_loss")},
                              trained=progress.global_step > first_step_here)
     lenet_figures.print_summary(fabric, summary)
@@ -434,6 +432,7 @@ def make_model(cfg: Config) -> tuple[nn.Module, dict]:
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
+        compile_cache_per_caps()
         # static: the short last batch gets its own graph (a dynamic one would recapture every later full batch)
         model = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode, dynamic=False)
     return model, compute

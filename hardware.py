@@ -85,6 +85,22 @@ def isa_caps() -> dict:
     return {v: os.environ[v] for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ}
 
 
+def compile_cache_per_caps() -> None:
+    """torch.compile writes a CPU kernel for the vector width ATEN_CPU_CAPABILITY allows, but inductor's cache of
+    compiled graphs is not keyed by it (torch 2.14): a graph compiled without the cap and served under
+    ATEN_CPU_CAPABILITY=avx2 gave a softmax 27 off, and LeNet-5 NaN or an index out of bounds (an AVX-512 EPYC).
+    Under caps the cache is a folder of its own, inside TORCHINDUCTOR_CACHE_DIR (or inductor's default)."""
+    caps = isa_caps()
+    if not caps:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    folder = "caps-" + "-".join(f"{name.split('_')[0].lower()}_{value}" for name, value in sorted(caps.items()))
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    if Path(base).name != folder:  # a process started by one that keyed it already
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base) / folder)
+
+
 # The kernel behind F.scaled_dot_product_attention, by the ATen operation it dispatches to
 SDPA_KERNELS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
                 "_scaled_dot_product_efficient_attention": "memory-efficient", "_scaled_dot_product_cudnn_attention": "cuDNN",

@@ -12,6 +12,7 @@ from conftest import REPO, read_summary, run_in_process, run_script
 import warm_python
 import fabric_lenet
 import cpu_probe
+import hardware
 import lenet_figures
 from datasets_local import BACKGROUND, random_shift
 from fabric_lenet import Config, LeNet5, epoch_order
@@ -227,6 +228,8 @@ def test_auto_precision_takes_the_faster_measured_step_and_caches_it(tmp_path):
 
 
 def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatch):
+    for cap in hardware.isa_caps():  # a suite run under caps (docs/tests.md)
+        monkeypatch.delenv(cap)
     base = cpu_probe.lenet_probe_key(Config())
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert cpu_probe.lenet_probe_key(Config()) != base  # a cap picks other kernels: measured again
@@ -326,6 +329,28 @@ def test_a_nan_in_lenet_is_named_by_its_step_at_the_next_check_point(mnist_dir, 
     last = proc.stderr.strip().splitlines()[-1]
     step = int(re.search(r"at step (\d+)", last).group(1))
     assert proc.returncode == 1 and "loss became" in last and step < 10 and "no checkpoint was saved" in last, last
+
+
+COMPILED_SOFTMAX = """
+import torch
+import hardware
+
+hardware.compile_cache_per_caps()
+x = torch.randn(64, 100, generator=torch.Generator().manual_seed(0))
+f = lambda t: (t.softmax(-1) * 3 + t.relu()).sum(-1)
+print((torch.compile(f, dynamic=False)(x) - f(x)).abs().max().item())
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_without_caps_is_not_served_under_them():
+    """Inductor writes a CPU kernel for the vector width ATEN_CPU_CAPABILITY allows but does not key its cache of
+    compiled graphs by it: without hardware.compile_cache_per_caps, this function compiled once without the cap and
+    then served under ATEN_CPU_CAPABILITY=avx2 was 27 off (an AVX-512 EPYC; on a CPU without AVX-512 both widths are
+    the same and the two runs share the kernel). In inductor's own cache folder, as a user's runs: 4-5 s once warm."""
+    for caps in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        error = float(run_script("-c", COMPILED_SOFTMAX, env=caps).stdout.split()[-1])
+        assert error < 1e-4, (caps, error)
 
 
 @pytest.mark.slow
