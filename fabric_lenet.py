@@ -292,7 +292,8 @@ def make_optimizer(cfg: Config, model, total_steps: int):
     else:  # fused: one kernel for all parameters instead of a loop of small ones (matters at LeNet's size)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     schedules = torch.optim.lr_scheduler  # onecycle: warm-up, then cosine decay
-    make = {"onecycle": lambda: schedules.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2),
+    warm_up = 0.25 if total_steps == 5 else 0.2  # OneCycleLR divides by zero for a warm-up of one step (0.2 x 5)
+    make = {"onecycle": lambda: schedules.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps, pct_start=warm_up),
             "cosine": lambda: schedules.CosineAnnealingLR(opt, T_max=total_steps),
             "constant": lambda: schedules.LambdaLR(opt, lambda step: 1.0)}
     return opt, make[cfg.schedule]()

@@ -353,6 +353,19 @@ def test_a_graph_compiled_without_caps_is_not_served_under_them():
         assert error < 1e-4, (caps, error)
 
 
+def test_every_schedule_steps_through_runs_of_any_length():
+    """OneCycleLR divides by zero when its warm-up is exactly one step (pct_start 0.2 of 5 steps): a run of 2,560
+    training images in one epoch, or 512 in five, ended in a traceback before its first step."""
+    model = torch.nn.Linear(4, 2)
+    for schedule in ("onecycle", "cosine", "constant"):
+        for total in range(1, 41):
+            optimizer, scheduler = fabric_lenet.make_optimizer(Config(schedule=schedule), model, total)
+            for _ in range(total):
+                optimizer.step()
+                scheduler.step()
+            assert max(scheduler.get_last_lr()) <= Config().lr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, mode):
