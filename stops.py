@@ -13,8 +13,9 @@ What each signal does (the handlers cover the whole run, from set-up to the reco
                           where scontrol is missing or refuses, exit 128 + the signal, so that SLURM does not record
                           the job COMPLETED. Outside SLURM: ignored with one line (its default action kills unsaved).
 
-A signal that arrives while the run evaluates or saves is acted on as soon as that ends: the checkpoint just written
-is the stop's, with no further step. One that arrives after the last step lets the record and export finish.
+Each signal is acknowledged at once, in one line on stderr. A signal that arrives while the run evaluates or saves is
+acted on as soon as that ends: the checkpoint just written is the stop's, with no further step. One that arrives after
+the last step lets the record and export finish.
 """
 
 import os
@@ -63,6 +64,9 @@ class StopRequest:
                 return
             self.requeue = True
         self.signal_name = name
+        then = "a requeue of the SLURM job" if self.requeue else "exit"
+        again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
+        say(f"{name} received: stopping at the next step boundary with a checkpoint, then {then}{again}")
 
     def requested(self, fabric, *other_flags: bool) -> tuple[bool, ...]:
         """(any rank signalled, *any rank's other_flags), agreed by all ranks in one small all-reduce; a requeue
