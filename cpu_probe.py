@@ -94,6 +94,20 @@ def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tup
     return entry, False
 
 
+def forget(kind: str, settings: dict) -> None:
+    """Drop the cached measurement of (this machine, kind, settings), one that a run has shown wrong: the next run
+    measures it again."""
+    path = cache_file()
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if cache.pop(entry_name(kind, settings), None) is not None:
+            write_json_atomic(path, cache)
+
+
 def cached_unlocked(kind: str, settings: dict, measure):
     """As cached(), for a measurement of a second or so taken inside any process, a minimal job that a locked
     measurement runs included: measured without waiting for the lock, and stored only when the lock is free."""

@@ -18,6 +18,7 @@ from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run
 import warm_python
 import accounting
 import comm_counter
+import cpu_probe
 import fabric_gpt as gpt
 import gpt_figures
 import gpt_model
@@ -823,6 +824,21 @@ def test_sigterm_twice_during_a_periodic_save_keeps_that_checkpoint_and_takes_no
 
 
 # ----------------------------------------------------------------------------- what a run says before and after
+def test_a_run_that_outruns_its_cached_matmul_peak_drops_it(tmp_path, monkeypatch):
+    """The CPU's matmul peak is measured once and cached: one measured while another job loaded the cores would make
+    every later MFU too high. A run that outruns it (here a peak of 1 GFLOP/s, cached as if so measured) says so, and
+    drops it; the next run measures the peak again and its MFU is a share."""
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path / "cache"))
+    settings = accounting._matmul_peak_settings("32-true", 1024, 0.5)
+    cpu_probe.cached_unlocked("matmul_peak", settings, lambda: [1e9, "float32 matmul"])
+    proc = run_gpt(tmp_path, "outrun", "--steps", "4", "--precision", "32-true")
+    assert record(tmp_path, "outrun")["mfu"] > 1 and "the next run measures it again" in proc.stdout, proc.stdout
+    assert cpu_probe.cached("matmul_peak", settings, None, allow_measure=False) is None
+    run_gpt(tmp_path, "again", "--steps", "4", "--precision", "32-true")
+    assert 0 < record(tmp_path, "again")["mfu"] <= 1
+    assert cpu_probe.cached("matmul_peak", settings, None, allow_measure=False)[0] > 1e9
+
+
 def test_a_short_run_counts_its_own_steps_and_says_it_was_not_timed(tmp_path):
     """--steps 2 with the default warm-up of 2: progress counts to 2 (not the schedule's 12), and the summary says
     why there is no step time instead of printing NaN; record.json holds null."""
