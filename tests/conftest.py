@@ -1,10 +1,12 @@
 """Shared fixtures: the real MNIST through the project's mirror setting, and running the scripts for real."""
 
+import atexit
 import contextlib
 import importlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +22,7 @@ import warm_python  # noqa: E402 (the repository's, on the path above)
 # pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")
+    atexit.register(shutil.rmtree, os.environ["FABRIC_LAB_CACHE"], ignore_errors=True)  # after the workers have ended
 
 
 # pytest-xdist's workers share the machine's cores: each worker's processes take cores / workers threads, where
