@@ -65,7 +65,11 @@ def measured_cpu_matmul_flops(precision: str) -> float:
     return cpu_matmul_peak(precision)[0]
 
 
-def cpu_matmul_peak(precision: str, n: int = 1024, seconds: float = 0.5) -> tuple[float, str]:
+# the matmul probe: square matmuls of this size, timed for this long (its cache key holds both)
+PEAK_PROBE_N, PEAK_PROBE_SECONDS = 1024, 0.5
+
+
+def cpu_matmul_peak(precision: str) -> tuple[float, str]:
     """(FLOP/s, which path) this process reaches on square matmuls: the CPU's achievable peak, since CPUs have no
     datasheet figure that counts threads, frequency and AMX/AVX-512 alike. For 16-bit autocast the best of the paths
     the run's matmuls may take: GPT-2's Conv1D runs `addmm`, which on a CPU without bf16 instructions can be 20x
@@ -74,21 +78,23 @@ def cpu_matmul_peak(precision: str, n: int = 1024, seconds: float = 0.5) -> tupl
     machine, precision and thread count (cpu_probe's cache): on that AVX2 CPU it took 20 s of every bf16 run."""
     import cpu_probe
 
-    settings = _matmul_peak_settings(precision, n, seconds)
-    return tuple(cpu_probe.cached_unlocked("matmul_peak", settings, lambda: list(_measure_matmul_peak(precision, n, seconds))))
+    measure = lambda: list(_measure_matmul_peak(precision, PEAK_PROBE_N, PEAK_PROBE_SECONDS))  # noqa: E731
+    return tuple(cpu_probe.cached_unlocked("matmul_peak", matmul_peak_settings(precision), measure))
 
 
-def forget_cpu_matmul_peak(precision: str, n: int = 1024, seconds: float = 0.5) -> None:
+def forget_cpu_matmul_peak(precision: str) -> None:
     """A run on this CPU outran its cached peak (MFU above 100%): the probe ran under more load than the run's steps
     (another job on these cores: 2 tests side by side measured 68-72 GFLOP/s on one core of an AVX-512 EPYC, alone
     106). Dropped, so that the next run measures it again rather than inflate every MFU after it."""
     import cpu_probe
 
-    cpu_probe.forget("matmul_peak", _matmul_peak_settings(precision, n, seconds))
+    cpu_probe.forget("matmul_peak", matmul_peak_settings(precision))
 
 
-def _matmul_peak_settings(precision: str, n: int, seconds: float) -> dict:
-    return {"precision": dtype_kind(precision), "threads": torch.get_num_threads(), "n": n, "seconds": seconds}
+def matmul_peak_settings(precision: str) -> dict:
+    """The probe's cache key beside the machine's: what changes its figure."""
+    return {"precision": dtype_kind(precision), "threads": torch.get_num_threads(), "n": PEAK_PROBE_N,
+            "seconds": PEAK_PROBE_SECONDS}
 
 
 def _measure_matmul_peak(precision: str, n: int, seconds: float) -> tuple[float, str]:

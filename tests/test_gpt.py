@@ -829,7 +829,7 @@ def test_a_run_that_outruns_its_cached_matmul_peak_drops_it(tmp_path, monkeypatc
     every later MFU too high. A run that outruns it (here a peak of 1 GFLOP/s, cached as if so measured) says so, and
     drops it; the next run measures the peak again and its MFU is a share."""
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path / "cache"))
-    settings = accounting._matmul_peak_settings("32-true", 1024, 0.5)
+    settings = accounting.matmul_peak_settings("32-true")
     cpu_probe.cached_unlocked("matmul_peak", settings, lambda: [1e9, "float32 matmul"])
     proc = run_gpt(tmp_path, "outrun", "--steps", "4", "--precision", "32-true")
     assert record(tmp_path, "outrun")["mfu"] > 1 and "the next run measures it again" in proc.stdout, proc.stdout
