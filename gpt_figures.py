@@ -61,7 +61,8 @@ def largest(fabric, value: float) -> float:
 
 
 def measured(fabric, cfg, timing: dict, n_params: int, plan: dict, progress, peak: tuple) -> dict:
-    """The figures of the run, measured over the timed (post-warm-up) steps of this process's life."""
+    """The figures of the run, measured over the timed (post-warm-up) steps of this process's life. A CPU run that
+    outran its cached matmul peak drops it from the cache (accounting.forget_cpu_matmul_peak) and says why."""
     steps, seconds = timing["timed_steps"], timing["timed_time_s"]
     lay = layout(cfg)
     flops = accounting.flops_per_token(cfg, n_params)
