@@ -9,9 +9,10 @@ TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
 RUNS    ?= runs
 
+# RUNS: the folder every run, benchmark and gpu-check writes into, and report, tb, sample and export read.
 # flag <NAME> <--flag>: "--flag value" when the variable NAME is set
 flag = $(if $($(1)),$(2) $($(1)))
-FABRIC_FLAGS = $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) $(call flag,NODE_TIMEOUT,--node-timeout) \
+FABRIC_FLAGS = --out-dir $(RUNS) $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) $(call flag,NODE_TIMEOUT,--node-timeout) \
 	$(call flag,STRATEGY,--strategy) $(call flag,PRECISION,--precision) $(call flag,LR,--lr) \
 	$(call flag,SEED,--seed) $(call flag,RUN,--run-name) $(call flag,RESUME,--resume) $(call flag,REQUEUE_SIGNAL,--requeue-signal) \
 	$(if $(filter 1 yes true,$(COMPILE)),--compile)
@@ -37,7 +38,7 @@ help: ## list the targets
 	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DATASET=text TEXT TOKENIZER VOCAB DATA_DIR EVAL_EVERY EVAL_BATCHES (text, gpt) | PROMPT NEW_TOKENS TEMPERATURE TOP_K (sample) |"
 	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1 ARGS='--more flags' |"
-	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b (gpu-check)"
+	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b (gpu-check) | RUNS (the runs folder, default runs)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
@@ -106,7 +107,7 @@ bench-gelu: $(SETUP) ## time forward+backward of F.gelu, the Python and the C++ 
 	$(PY) -m gelu_ext bench $(ARGS)
 
 bench-lenet: $(SETUP) ## LeNet-5 samples/s (DataLoader vs in-memory) and time to 99.0% test accuracy
-	$(PY) bench.py lenet $(ARGS)
+	$(PY) bench.py --out-dir $(RUNS) lenet $(ARGS)
 
 gpt: $(SETUP) ## train GPT-2 on random tokens or DATASET=text (MODEL, STRATEGY, DEVICES, PRECISION, ACCUM, CKPT=1, ...)
 	$(PY) fabric_gpt.py $(GPT_FLAGS)
@@ -124,10 +125,10 @@ plan: $(SETUP) ## predict memory, step time, traffic and days (MODEL STRATEGY DE
 gpt-plan: plan ## the same as make plan (its earlier name)
 
 bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
-	$(PY) bench.py gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
+	$(PY) bench.py --out-dir $(RUNS) gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
 
 bench-text: $(SETUP) ## nanoGPT's shakespeare_char CPU recipe: fabric_gpt.py (float32, bf16; eager, compiled) against nanoGPT's loop
-	$(PY) bench.py text $(call flag,STEPS,--steps) $(call flag,DATA_DIR,--data-dir) $(ARGS)
+	$(PY) bench.py --out-dir $(RUNS) text $(call flag,STEPS,--steps) $(call flag,DATA_DIR,--data-dir) $(ARGS)
 
 report: $(SETUP) ## write report/REPORT.md with figures from the runs under runs/
 	$(PY) report.py --runs $(RUNS) --out report $(ARGS)

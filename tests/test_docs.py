@@ -40,3 +40,18 @@ def test_every_make_target_the_readme_names_exists():
 
 def test_readme_is_a_front_door():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_every_target_writes_and_reads_the_one_runs_folder():
+    """`make lenet RUNS=x` then `make report RUNS=x` (or tb, sample, export): the targets that write runs and those
+    that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said)."""
+    import subprocess
+
+    folder = "/tmp/runs-folder-of-this-test"
+    for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "lab", "gpu-check", "report", "tb",
+                   "sample", "export"]:
+        out = subprocess.run(["make", "-n", target, f"RUNS={folder}", "RUN=r", "PYTHON=python3"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        command = out.stdout.strip().splitlines()[-1] + " "
+        assert out.returncode == 0 and (f"--out-dir {folder} " in command or f"--runs {folder} " in command
+                                        or f"--logdir {folder} " in command or f"{folder}/r " in command), (target, command)
