@@ -109,9 +109,10 @@ def check_sizes(cfg) -> None:
         raise ConfigError(f"--pp-size applies to --strategy pp, not {cfg.strategy}; drop it or use --strategy pp")
     if L.tensor_parallel:
         t = L.tp_size
+        given = f"--tp-size {t}" + ("" if cfg.tp_size else f" (all {t} processes, as --tp-size is not given)")
         if cfg.n_head % t:
-            raise ConfigError(f"--tp-size {t} must divide the {cfg.n_head} attention heads (each rank holds whole "
-                              f"heads); choose a divisor of {cfg.n_head}")
+            raise ConfigError(f"{given} must divide the {cfg.n_head} attention heads (each rank holds whole heads); "
+                              f"choose a divisor of {cfg.n_head}")
         if L.world % t:
             raise ConfigError(f"--tp-size {t} must divide the {L.world} processes; choose a divisor of {L.world}")
         if not L.fsdp and t != L.world:
@@ -119,8 +120,9 @@ def check_sizes(cfg) -> None:
                               f"--tp-size {t} with data parallel across groups use --strategy fsdp_tp")
     if L.pipeline:
         p = L.pp_size
+        given = f"--pp-size {p}" + ("" if cfg.pp_size else f" (all {p} processes, as --pp-size is not given)")
         if p > cfg.n_layer:
-            raise ConfigError(f"--pp-size {p} is larger than the {cfg.n_layer} layers: each stage needs at least one "
+            raise ConfigError(f"{given} is larger than the {cfg.n_layer} layers: each stage needs at least one "
                               f"block; use at most {cfg.n_layer}")
         if L.world % p:
             raise ConfigError(f"--pp-size {p} must divide the {L.world} processes; choose a divisor of {L.world}")
