@@ -101,10 +101,10 @@ test-fast: $(SETUP) ## the tests not marked slow (no run in a process of its own
 	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
 gelu-check: $(SETUP) ## compare the Python and C++ GELU with F.gelu, plus gradcheck
-	$(PY) -m gelu_ext check
+	$(PY) -m gelu_ext check --out $(RUNS)/gelu
 
 bench-gelu: $(SETUP) ## time forward+backward of F.gelu, the Python and the C++ GELU (16M floats)
-	$(PY) -m gelu_ext bench $(ARGS)
+	$(PY) -m gelu_ext bench --out $(RUNS)/gelu $(ARGS)
 
 bench-lenet: $(SETUP) ## LeNet-5 samples/s (DataLoader vs in-memory) and time to 99.0% test accuracy
 	$(PY) bench.py --out-dir $(RUNS) lenet $(ARGS)

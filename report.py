@@ -7,6 +7,7 @@ Sections whose runs are missing or unreadable say so, and which command produces
 """
 
 import json
+import re
 import sys
 import traceback
 from datetime import datetime
@@ -51,8 +52,10 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 class Report:
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, runs: Path = Path("runs")):
         self.out, self.lines = out, []
+        # make's commands in the report write and read make's RUNS: another folder is named in each of them
+        self.runs_var = "" if runs == Path("runs") else f" RUNS={runs}"
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, *lines: str) -> None:
@@ -79,7 +82,10 @@ class Report:
 
     def write(self) -> Path:
         path = self.out / "REPORT.md"
-        path.write_text("\n".join(self.lines) + "\n")
+        text = "\n".join(self.lines) + "\n"
+        if self.runs_var:
+            text = re.sub(r"`make ([a-z-]+)([^`]*)`", lambda m: f"`make {m[1]}{m[2]}{self.runs_var}`", text)
+        path.write_text(text)
         return path
 
 
@@ -306,7 +312,7 @@ def section_environment(rep: Report, runs: Path) -> None:
 
         env = environment()
         rep.add("No run recorded its environment; this is the machine writing the report:", "")
-    rep.add("| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in env.items()], "")
+    rep.add("| | |", "|---|---|", *[f"| {k} | {'none' if v is None else v} |" for k, v in env.items()], "")
 
 
 def text_runs(runs: Path) -> list[Path]:
@@ -360,7 +366,7 @@ def build_parser():
 def main(argv=None) -> Path:
     args = build_parser().parse_args(argv)
     runs = Path(args.runs)
-    rep = Report(Path(args.out))
+    rep = Report(Path(args.out), runs)
     rep.add("# fabric-lab report", "", f"Written by `make report` on {datetime.now():%Y-%m-%d %H:%M} from `{runs}/`; "
             "every figure below comes from a run on disk.", "")
     if not any(runs.iterdir()):

@@ -48,10 +48,11 @@ def test_every_target_writes_and_reads_the_one_runs_folder():
     import subprocess
 
     folder = "/tmp/runs-folder-of-this-test"
-    for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "lab", "gpu-check", "report", "tb",
-                   "sample", "export"]:
+    for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "gelu-check", "bench-gelu", "lab",
+                   "gpu-check", "report", "tb", "sample", "export"]:
         out = subprocess.run(["make", "-n", target, f"RUNS={folder}", "RUN=r", "PYTHON=python3"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
         command = out.stdout.strip().splitlines()[-1] + " "
         assert out.returncode == 0 and (f"--out-dir {folder} " in command or f"--runs {folder} " in command
-                                        or f"--logdir {folder} " in command or f"{folder}/r " in command), (target, command)
+                                        or f"--logdir {folder} " in command or f"{folder}/r " in command
+                                        or f"--out {folder}/gelu " in command), (target, command)

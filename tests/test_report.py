@@ -101,12 +101,21 @@ def test_a_benchmark_keeps_a_finished_case_only_for_the_same_command(tmp_path):
     assert bench.run_case(folder, True, "-c", [script, folder, log, "b"])[1] != "kept"
 
 
-def test_empty_runs_folder_gives_notes(tmp_path):
+def test_empty_runs_folder_gives_notes(tmp_path, monkeypatch):
+    """Each note says which command produces what is missing; from a folder other than make's default the command
+    names it (RUNS=), so that what it produces lands where this report reads."""
     (tmp_path / "nothing").mkdir()
     text = report.main(["--runs", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]).read_text()
-    assert "nothing has run yet" in text and "`make lenet`" in text and "make bench-gpt" in text
-    assert "make bench-lenet" in text
-    assert "Traceback" not in text
+    runs = f"RUNS={tmp_path / 'nothing'}"
+    assert "nothing has run yet" in text and f"`make lenet {runs}`" in text and f"`make bench-gpt MODEL=tiny" in text
+    assert f"`make bench-lenet {runs}`" in text and f"`make gelu-check {runs}`" in text
+    assert "Traceback" not in text and "| None |" not in text
+    commands = re.findall(r"`(make [^`]*)`", text)
+    assert len(commands) >= 8 and all(c.endswith(runs) for c in commands), commands
+    monkeypatch.chdir(tmp_path / "nothing")
+    (tmp_path / "nothing" / "runs").mkdir()
+    text = report.main(["--runs", "runs", "--out", str(tmp_path / "r")]).read_text()
+    assert "`make lenet`" in text and "RUNS=" not in text
 
 
 @pytest.mark.slow  # its runs include a 2-process benchmark
