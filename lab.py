@@ -200,7 +200,8 @@ def expected_duration(stages: list, runs: Path, force: bool) -> str:
             how = f"the stages' times on an {reference}, scaled by this CPU's measured matmul rate ({1 / scale:.2f}x)"
         seconds = sum(timed["seconds"].get(s.name) if here and s.name in timed["seconds"] else
                       REFERENCES[reference][1].get(s.name, 60) * scale for s in todo)
-    return f"{len(todo)} stage(s) to run, expected to take about {seconds / 60:.0f} min on this machine ({how})"
+    about = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    return f"{len(todo)} stage(s) to run, expected to take about {about} on this machine ({how})"
 
 
 def record_timing(runs: Path, stage: str, seconds: float, resumed: bool) -> None:

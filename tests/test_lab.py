@@ -162,6 +162,8 @@ def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path
     timed = lab.expected_duration(stages, tmp_path, force=False)
     assert f"{len(todo) - 1} stage(s) to run" in timed and f"about {len(todo) - 1} min" in timed
     assert "as the stages took here before" in timed
+    report_only = lab.expected_duration([s for s in stages if s.name == "report"], tmp_path, force=True)
+    assert "1 stage(s) to run, expected to take about 60 s" in report_only, report_only  # not "about 1 min" or 0
 
 
 def test_bench_lenet_takes_a_finished_default_run_as_its_seed_0_only_when_it_is_one(tmp_path):
