@@ -45,13 +45,15 @@ def test_readme_is_a_front_door():
 def test_every_target_writes_and_reads_the_one_runs_folder():
     """`make lenet RUNS=x` then `make report RUNS=x` (or tb, sample, export): the targets that write runs and those
     that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said)."""
+    import os
     import subprocess
 
     folder = "/tmp/runs-folder-of-this-test"
     for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "gelu-check", "bench-gelu", "lab",
                    "gpu-check", "report", "tb", "sample", "export"]:
-        out = subprocess.run(["make", "-n", target, f"RUNS={folder}", "RUN=r", "PYTHON=python3"], cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test`
+        out = subprocess.run(["make", "--no-print-directory", "-n", target, f"RUNS={folder}", "RUN=r"], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=60)
         command = out.stdout.strip().splitlines()[-1] + " "
         assert out.returncode == 0 and (f"--out-dir {folder} " in command or f"--runs {folder} " in command
                                         or f"--logdir {folder} " in command or f"{folder}/r " in command
