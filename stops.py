@@ -13,9 +13,9 @@ What each signal does (the handlers cover the whole run, from set-up to the reco
                           where scontrol is missing or refuses, exit 128 + the signal, so that SLURM does not record
                           the job COMPLETED. Outside SLURM: ignored with one line (its default action kills unsaved).
 
-Each signal is acknowledged at once, in one line on stderr. A signal that arrives while the run evaluates or saves is
-acted on as soon as that ends: the checkpoint just written is the stop's, with no further step. One that arrives after
-the last step lets the record and export finish.
+Each signal is acknowledged at once, in one line on stderr ("[rank: N] " before it once the ranks are a group). A
+signal that arrives while the run evaluates or saves is acted on as soon as that ends: the checkpoint just written is
+the stop's, with no further step. One that arrives after the last step lets the record and export finish.
 """
 
 import os
@@ -80,7 +80,13 @@ class StopRequest:
 
 
 def say(line: str) -> None:
-    """One line to stderr from a signal handler (print's buffered stream may be mid-write in the main thread)."""
+    """One line to stderr from a signal handler (print's buffered stream may be mid-write in the main thread). A
+    launcher or a terminal signals every rank: once the ranks are a process group, each line names its rank as
+    Lightning's do ("[rank: 1] ..."), so that N lines read as N ranks, not as one signal said N times."""
+    import torch.distributed as dist  # imported long before any signal: torch is
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        line = f"[rank: {dist.get_rank()}] {line}"
     try:
         os.write(sys.stderr.fileno(), (line + "\n").encode())
     except OSError:

@@ -786,6 +786,9 @@ def test_the_slurm_batch_script_survives_its_signal_and_trains_on_two_nodes_as_t
     tasks = [(tmp_path / f"task{i}.log").read_text() for i in range(2)]
     assert proc.returncode == 0, first[-2000:] + tasks[0][-3000:]
     assert "SIGUSR1 received: saved" in tasks[0] and "requeued SLURM job 31337" in tasks[0], tasks[0][-2000:]
+    # each rank acknowledges the signal it got, naming itself (rank 0 had joined the group: it had printed its config)
+    assert re.search(r"^\[rank: 0\] SIGUSR1 received: stopping", tasks[0], re.M), tasks[0][-2000:]
+    assert re.search(r"^(\[rank: 1\] )?SIGUSR1 received: stopping", tasks[1], re.M), tasks[1][-2000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 31337\n"  # once, by rank 0
     assert list((tmp_path / "slurm" / "checkpoints").glob("step-*")) and not (tmp_path / "slurm" / "record.json").exists()
     again = subprocess.run(["bash", "gpt.sbatch"], cwd=REPO, env={**env, "MASTER_PORT": str(free_port())},
