@@ -107,7 +107,7 @@ def test_empty_runs_folder_gives_notes(tmp_path, monkeypatch):
     (tmp_path / "nothing").mkdir()
     text = report.main(["--runs", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]).read_text()
     runs = f"RUNS={tmp_path / 'nothing'}"
-    assert "nothing has run yet" in text and f"`make lenet {runs}`" in text and f"`make bench-gpt MODEL=tiny" in text
+    assert "nothing has run yet" in text and f"`make lenet {runs}`" in text and "`make bench-gpt MODEL=tiny" in text
     assert f"`make bench-lenet {runs}`" in text and f"`make gelu-check {runs}`" in text
     assert "Traceback" not in text and "| None |" not in text
     commands = re.findall(r"`(make [^`]*)`", text)
