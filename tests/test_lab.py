@@ -47,7 +47,7 @@ def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path, 
     assert "gelu-check       done in" in first and check.exists()
     assert "gpu-check        skipped: no CUDA GPU" in first
     text = (report / "REPORT.md").read_text()
-    assert "GPU check skipped by `make lab`" in text and "no CUDA GPU on this machine" in text
+    assert f"GPU check skipped by `make lab RUNS={runs}`" in text and "no CUDA GPU on this machine" in text
     assert "Largest differences from `torch.nn.functional.gelu`" in text  # the stage's result reached the report
     written = check.stat().st_mtime_ns
     second = run_lab(capsys, *args)[1]
