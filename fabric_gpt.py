@@ -66,7 +66,8 @@ class Config:
     num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: 256; "
                            "text: --steps' worth)", min=1, zero=True)
     micro_batch_size: int = opt(4, "samples per data-parallel rank per forward/backward", min=1)
-    grad_accum: int = opt(1, "micro-batches per optimizer step (pp: micro-batches in flight)", min=1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step (pp: micro-batches in flight, by default one per stage)",
+                          min=1)
     steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0,
                      runtime=True)
     seed: int = opt(1234, "seed of the weights and the data", min=0)
@@ -469,10 +470,14 @@ def validate(cfg: Config) -> None:
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None) -> Config:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     cfg = flags.parse_config(Config, argv, __doc__, prog="fabric_gpt.py")
-    # under `fabric run`: its --devices and the rest where the command line left the defaults
-    take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
-    return resolve(cfg)
+    take_fabric_run_settings(cfg, argv)  # under `fabric run`: its --devices and the rest the command line left
+    cfg = resolve(cfg)
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2}
+    if not any("--grad-accum".startswith(flag) for flag in given):  # (argparse takes a flag's unique prefix)
+        cfg.grad_accum = max(cfg.grad_accum, layout(cfg).pp_size)  # a pipeline needs a micro-batch per stage
+    return cfg
 
 
 def main(argv=None) -> dict:

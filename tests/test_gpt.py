@@ -596,6 +596,17 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
 
 
 # ----------------------------------------------------------------------------- bad input
+def test_a_pipeline_takes_a_micro_batch_per_stage_unless_told():
+    """`make gpt STRATEGY=pp DEVICES=2` runs: a pipeline's accumulation defaults to its stage count (one micro-batch
+    in flight per stage); a --grad-accum given (or its unique prefix, which argparse takes) is kept, and refused
+    when below the stage count; other strategies keep 1."""
+    parse = lambda *a: gpt.parse_args(["--strategy", *a])  # noqa: E731
+    assert parse("pp", "--devices", "2").grad_accum == 2 and parse("pp", "--devices", "4", "--pp-size", "2").grad_accum == 2
+    assert parse("pp", "--devices", "2", "--grad-accum", "6").grad_accum == 6
+    assert parse("pp", "--devices", "2", "--grad-acc=1").grad_accum == 1  # the refusal below then names it
+    assert parse("ddp", "--devices", "2").grad_accum == 1 and parse("tp", "--devices", "2").grad_accum == 1
+
+
 @pytest.mark.parametrize("args,words", [
     (["--strategy", "ddp", "--nvme-path", "/tmp/nvme"], "--nvme-path offloads through DeepSpeed ZeRO-3"),
     (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme", "--resume", "auto"], "moments and step count"),
