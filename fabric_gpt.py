@@ -66,8 +66,8 @@ class Config:
     num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: 256; "
                            "text: --steps' worth)", min=1, zero=True)
     micro_batch_size: int = opt(4, "samples per data-parallel rank per forward/backward", min=1)
-    grad_accum: int = opt(1, "micro-batches per optimizer step (pp: micro-batches in flight, by default one per stage)",
-                          min=1)
+    grad_accum: int = opt(0, "micro-batches per optimizer step (0: 1, or under pp one per stage: the micro-batches "
+                          "in flight)", min=1, zero=True)
     steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0,
                      runtime=True)
     seed: int = opt(1234, "seed of the weights and the data", min=0)
@@ -135,8 +135,9 @@ class Config:
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill the preset's dimensions and the learning rate where the flags left 0. A text run's vocabulary and
-    sample count come from its corpus (resolve_text, once the process layout is known)."""
+    """Fill the preset's dimensions, the learning rate and the accumulation where the flags left 0 (a pipeline needs
+    a micro-batch in flight per stage). A text run's vocabulary and sample count come from its corpus (resolve_text,
+    once the process layout is known)."""
     n_embd, n_layer, n_head, seq_len, vocab = PRESETS[cfg.model]
     dataset = cfg.dataset or ("text" if cfg.text or cfg.tokenizer else "random")
     text = dataset == "text"
@@ -144,6 +145,7 @@ def resolve(cfg: Config) -> Config:
                                n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
                                vocab_size=cfg.vocab_size or (0 if text else vocab),
                                num_samples=cfg.num_samples or (0 if text else 256),
+                               grad_accum=cfg.grad_accum or layout(cfg).pp_size,
                                lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4))
 
 
@@ -470,14 +472,10 @@ def validate(cfg: Config) -> None:
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None) -> Config:
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     cfg = flags.parse_config(Config, argv, __doc__, prog="fabric_gpt.py")
-    take_fabric_run_settings(cfg, argv)  # under `fabric run`: its --devices and the rest the command line left
-    cfg = resolve(cfg)
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2}
-    if not any("--grad-accum".startswith(flag) for flag in given):  # (argparse takes a flag's unique prefix)
-        cfg.grad_accum = max(cfg.grad_accum, layout(cfg).pp_size)  # a pipeline needs a micro-batch per stage
-    return cfg
+    # under `fabric run`: its --devices and the rest where the command line left the defaults
+    take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
+    return resolve(cfg)
 
 
 def main(argv=None) -> dict:

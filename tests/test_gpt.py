@@ -599,7 +599,7 @@ def test_gpu_peaks_are_dense_and_name_the_variant():
 def test_a_pipeline_takes_a_micro_batch_per_stage_unless_told():
     """`make gpt STRATEGY=pp DEVICES=2` runs: a pipeline's accumulation defaults to its stage count (one micro-batch
     in flight per stage); a --grad-accum given (or its unique prefix, which argparse takes) is kept, and refused
-    when below the stage count; other strategies keep 1."""
+    when below the stage count; other strategies take 1."""
     parse = lambda *a: gpt.parse_args(["--strategy", *a])  # noqa: E731
     assert parse("pp", "--devices", "2").grad_accum == 2 and parse("pp", "--devices", "4", "--pp-size", "2").grad_accum == 2
     assert parse("pp", "--devices", "2", "--grad-accum", "6").grad_accum == 6
