@@ -51,11 +51,14 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
+RUNS = "runs"  # --runs' default, and make's (RUNS)
+
+
 class Report:
-    def __init__(self, out: Path, runs: Path = Path("runs")):
+    def __init__(self, out: Path, runs: Path):
         self.out, self.lines = out, []
         # make's commands in the report write and read make's RUNS: another folder is named in each of them
-        self.runs_var = "" if runs == Path("runs") else f" RUNS={runs}"
+        self.runs_var = "" if runs == Path(RUNS) else f" RUNS={runs}"
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, *lines: str) -> None:
@@ -350,7 +353,7 @@ def build_parser():
     from flags import Folder, Parser
 
     parser = Parser(description=__doc__, prog="report.py")
-    parser.add_argument("--runs", default="runs", type=Folder(create=False), help="folder holding the runs "
+    parser.add_argument("--runs", default=RUNS, type=Folder(create=False), help="folder holding the runs "
                         "(default: runs; it must exist: run make lenet first)")
     parser.add_argument("--out", default="report", type=Folder(), help="folder for REPORT.md and the figures "
                         "(default: report)")

@@ -49,9 +49,9 @@ def test_every_target_writes_and_reads_the_one_runs_folder():
     import subprocess
 
     folder = "/tmp/runs-folder-of-this-test"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
     for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "gelu-check", "bench-gelu", "lab",
                    "gpu-check", "report", "tb", "sample", "export"]:
-        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test`
         out = subprocess.run(["make", "--no-print-directory", "-n", target, f"RUNS={folder}", "RUN=r"], cwd=REPO,
                              env=env, capture_output=True, text=True, timeout=60)
         command = out.stdout.strip().splitlines()[-1] + " "
