@@ -49,11 +49,21 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 
 CLIENT = """#!{python} -S
 # python, warm: see warm_python.py
-import json, os, signal, socket, struct, sys, time
+import json, os, select, signal, socket, struct, sys, time
 args = sys.argv[1:]
 # held until the command's pid is known and the handlers are in place: a signal sent as soon as the command prints
 # would otherwise find the default action (the client ended, the command left running)
 signal.pthread_sigmask(signal.SIG_BLOCK, {signals})
+buf = b""
+def number() -> int:  # the server's next line; read unbuffered, so that select() below sees what is still to come
+    global buf
+    while b"\\n" not in buf:
+        chunk = conn.recv(64)
+        if not chunk:
+            raise ConnectionError("the server ended")
+        buf += chunk
+    line, buf = buf.split(b"\\n", 1)
+    return int(line)
 try:
     conn = socket.socket(socket.AF_UNIX)
     while True:  # the server may still be importing: wait while it lives
@@ -76,22 +86,31 @@ try:
                        "fds": fds}}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
     conn.sendall(body)
-    reader = conn.makefile("r")
-    pid = int(reader.readline())
+    pid = number()
 except (OSError, ValueError):
     pid = 0
 if pid <= 0:  # the server is gone or declined: a real interpreter, as if none of this existed
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signals})
     os.execv({python!r}, [{python!r}, *args])
-def forward(sig, _frame):
-    try:
-        (os.killpg if leader else os.kill)(pid, sig)
-    except ProcessLookupError:  # it ended meanwhile: its status follows
-        pass
+# Each signal's number is written to a pipe by the C-level handler, and forwarded from there: a Python handler alone
+# misses a signal that lands between its last check and a blocking read (the client then waits on a command that
+# never got it: seen about once in 150 commands signalled beside other work)
+wake_read, wake_write = os.pipe()
+os.set_blocking(wake_write, False)
+signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
 for sig in {signals}:
-    signal.signal(sig, forward)
+    signal.signal(sig, lambda *_: None)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signals})  # what came meanwhile is forwarded now
-status = int(reader.readline())
+while b"\\n" not in buf:
+    ready = select.select([conn, wake_read], [], [])[0]
+    for sig in os.read(wake_read, 64) if wake_read in ready else b"":
+        try:
+            (os.killpg if leader else os.kill)(pid, sig)
+        except ProcessLookupError:  # it ended meanwhile: its status follows
+            pass
+    if conn in ready:
+        buf += conn.recv(64) or sys.exit("warm_python: the server ended before the command did")
+status = number()
 if os.WIFSIGNALED(status):
     signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
     os.kill(os.getpid(), os.WTERMSIG(status))
@@ -264,15 +283,18 @@ def serve(sock_path: str, client: str) -> None:
     listener.listen(64)
     children: dict[int, tuple[socket.socket, bool]] = {}  # pid -> its client's connection, whether it leads a group
     while True:
-        connections = {conn: pid for pid, (conn, _) in children.items()}
+        connections = {conn: pid for pid, (conn, _) in children.items() if conn}
         readable, _, _ = select.select([listener, sys.stdin, *connections], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):  # the suite ended
             for pid in children:
                 kill(children, pid)
             return
         for conn in readable:
-            if conn in connections and not conn.recv(1):
-                kill(children, connections[conn])
+            if conn in connections and not conn.recv(1):  # killed once: not watched again while it ends
+                pid = connections[conn]
+                kill(children, pid)
+                conn.close()
+                children[pid] = None, children[pid][1]
         reap(children)
         if listener in readable:
             accept(listener, children)
@@ -292,11 +314,12 @@ def reap(children: dict) -> None:
         if pid == 0:
             break
         conn = children.pop(pid)[0]
-        try:
-            conn.sendall(f"{status}\n".encode())
-        except OSError:
-            pass
-        conn.close()
+        if conn:
+            try:
+                conn.sendall(f"{status}\n".encode())
+            except OSError:
+                pass
+            conn.close()
 
 
 def accept(listener: socket.socket, children: dict) -> None:
@@ -319,7 +342,8 @@ def accept(listener: socket.socket, children: dict) -> None:
         if pid == 0:
             listener.close()
             for other, _ in children.values():
-                other.close()
+                if other:
+                    other.close()
             conn.close()
             high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
             for fd in fds:
