@@ -38,11 +38,14 @@ from pathlib import Path
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "psutil", "lightning.fabric",
            "lightning.fabric.strategies", "lightning.fabric.loggers", "torchmetrics", "transformers",
-           "transformers.models.gpt2.modeling_gpt2", "safetensors.torch", "torch.utils.tensorboard")
+           "transformers.models.gpt2.modeling_gpt2", "safetensors.torch", "torch.utils.tensorboard",
+           "torch._inductor.compile_fx")  # what torch.compile imports first, as does every DeepSpeed ZeRO rank (Muon)
 # read once, at import or library load, by what PRELOAD loads: a child whose value differs runs a real interpreter
 LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON", "HF_",
              "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "XDG_CACHE_HOME")
-APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR"}  # applied per child, or read when used
+# applied per child, or read when used (torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING for its workers; an NCCL group
+# reads it when made)
+APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGCONT, signal.SIGALRM)

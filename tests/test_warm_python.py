@@ -87,6 +87,8 @@ def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_i
     assert nested.stdout.strip() == warm_python.executable() != warm_python.REAL
     capped = run("-c", "import sys; print(sys.executable)", env={"ATEN_CPU_CAPABILITY": "default"})
     assert capped.stdout.strip() == warm_python.REAL  # read once by torch: a forked child would keep the server's
+    worker = run("-c", "import sys; print(sys.executable)", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert worker.stdout.strip() == warm_python.executable()  # what torchrun gives each worker: read when used
 
 
 def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):
