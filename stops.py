@@ -43,6 +43,8 @@ class StopRequest:
         return self
 
     def close(self) -> None:
+        if self.signal_name is not None:  # this process ends on that signal: a repeat during its exit (a launcher
+            return  # forwarding it again) stays ignored, where the default action would end it by that signal
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
