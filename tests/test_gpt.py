@@ -731,8 +731,10 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path, args):
 
 FAKE_SRUN = """#!/bin/bash
 # srun on one host, for the tests: SLURM_NTASKS tasks, each with the variables srun gives it and, as slurmstepd
-# starts them, in a process group of its own (its id in task<i>.pgid: where SLURM's signals go)
+# starts them, in a process group of its own (its id in task<i>.pgid: where SLURM's signals go). The venv's python
+# becomes SRUN_PYTHON, the warm python every other process of the suite starts from (warm_python.py)
 while [[ $1 == -* ]]; do shift; done
+[[ -n $SRUN_PYTHON && $1 == */python ]] && set -- "$SRUN_PYTHON" "${@:2}"
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
   SLURM_PROCID=$i SLURM_LOCALID=$((i % SLURM_NTASKS_PER_NODE)) SLURM_NODEID=$((i / SLURM_NTASKS_PER_NODE)) \\
@@ -756,7 +758,8 @@ def sbatch_job(tmp_path, ntasks: int, settings: dict) -> dict:
              "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO)}
     env = {k: v for k, v in slurm_job(tmp_path).items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # `make test`
     return {**env, **slurm, **settings, "PATH": f"{bin_dir}:{env['PATH']}", "SRUN_LOGS": str(tmp_path),
-            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "SRUN_PYTHON": warm_python.executable()}
 
 
 def signal_tasks_at(tmp_path, proc, pattern: str, sig, ntasks: int = 1, times: int = 2, timeout: float = 300) -> None:
