@@ -193,7 +193,7 @@ def test_torchrun_as_gpt_sbatch_documents_it_hands_slurms_signals_on(tmp_path):
             break
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and "SIGUSR1 received: saved" in output, output[-3000:]
-    assert (tmp_path / "scontrol.log").read_text() == "requeue 515\n"
+    assert (tmp_path / "scontrol.log").exists() and (tmp_path / "scontrol.log").read_text() == "requeue 515\n", output[-4000:]
     saved = max(int(p.name[5:]) for p in (tmp_path / "tr" / "checkpoints").glob("step-*"))
     assert 10 <= saved < 40
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
