@@ -121,7 +121,10 @@ def requeue_slurm_job(resume: str) -> tuple[bool, str]:
     if scontrol is None:
         return False, f"scontrol is not on PATH here, so SLURM job {job} was not requeued; {by_hand}"
     try:
-        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+        # a session of its own: a launcher's stop to the task's process group (torchrun's SIGTERM after a repeated
+        # signal) would otherwise end scontrol mid-requeue
+        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60,
+                              start_new_session=True)
     except (OSError, subprocess.SubprocessError) as e:
         return False, f"`scontrol requeue {job}` could not run ({e}); {by_hand}"
     if proc.returncode != 0:
