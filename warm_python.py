@@ -58,13 +58,16 @@ args = sys.argv[1:]
 # would otherwise find the default action (the client ended, the command left running)
 signal.pthread_sigmask(signal.SIG_BLOCK, {signals})
 buf = b""
-def number() -> int:  # the server's next line; read unbuffered, so that select() below sees what is still to come
+def receive() -> None:  # unbuffered, so that select() below sees what is still to come
+    global buf
+    chunk = conn.recv(64)
+    if not chunk:
+        raise ConnectionError("the server ended")
+    buf += chunk
+def number() -> int:  # the server's next line
     global buf
     while b"\\n" not in buf:
-        chunk = conn.recv(64)
-        if not chunk:
-            raise ConnectionError("the server ended")
-        buf += chunk
+        receive()
     line, buf = buf.split(b"\\n", 1)
     return int(line)
 try:
@@ -112,7 +115,7 @@ while b"\\n" not in buf:
         except ProcessLookupError:  # it ended meanwhile: its status follows
             pass
     if conn in ready:
-        buf += conn.recv(64) or sys.exit("warm_python: the server ended before the command did")
+        receive()
 status = number()
 if os.WIFSIGNALED(status):
     signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
