@@ -78,6 +78,16 @@ def test_1_6b_preset_parameter_count():
     assert (cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.seq_len, cfg.lr) == (1600, 32, 48, 1024, 5e-4)
 
 
+def test_the_built_model_is_initial_weights_by_name_with_its_head_tied():
+    """build_model skips transformers' own initialisation: every weight is still `initial_weights` of its name, and
+    lm_head is the token embedding itself (untied, it would be a second matrix of its own, drawn and trained apart)."""
+    cfg = gpt.resolve(gpt.Config(model="tiny"))
+    model = gpt.build_model(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight and not list(model.buffers())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, gpt_model.initial_weights(name, p.shape, cfg)), name
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One process, SGD, the reference every strategy is compared with; also proves it learns."""
