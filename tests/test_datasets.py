@@ -47,6 +47,12 @@ def test_dataset_and_tensors_agree(tmp_path):
     assert abs(float(((ds.images.float() / 255 - dl.MEAN) / dl.STD).mean()) - float(xs.mean())) < 1e-5
 
 
+def test_normalize_is_the_usual_formula_to_the_bit_on_every_pixel_value():
+    pixels = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16)
+    assert torch.equal(dl.normalize(pixels), ((pixels.float() / 255.0 - dl.MEAN) / dl.STD).unsqueeze(1))
+    assert dl.BACKGROUND == float(dl.normalize(pixels)[0, 0, 0, 0]) and pixels[0, 0, 1] == 1  # the input untouched
+
+
 def test_transform_applied(tmp_path):
     write_split(tmp_path)
     ds = dl.MNIST(tmp_path, train=False, transform=lambda t: t * 0, target_transform=lambda y: y + 100)
