@@ -13,8 +13,8 @@ import warm_python
 SHOW = "import sys, torch; print(sys.argv[1:], sys.path[0], __name__, torch.get_num_threads()); print('err', file=sys.stderr)"
 
 
-def run(*args, env=None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([warm_python.executable(), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+def run(*args, env=None, cwd=REPO, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([warm_python.executable(), *args], cwd=cwd, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})}, **kw)
 
 
@@ -116,3 +116,25 @@ def test_descriptors_passed_on_reach_the_command(tmp_path):
                             pass_fds=(write,))
     os.close(write)
     assert proc.wait(timeout=30) == 0 and os.read(read, 100) == b"through the pipe"
+
+
+def test_inspecting_the_stack_looks_up_no_more_modules_than_a_real_interpreter(tmp_path):
+    """runpy's frames under a command name "<frozen runpy>", a file inspect maps to no module: without the server's
+    mapping each inspect.stack() compared it with every module the server imported (37,098 lookups where a real
+    interpreter makes 4; torchrun's rendezvous calls it at every record)."""
+    script = tmp_path / "scan.py"
+    script.write_text("import inspect\nseen = []\nismodule = inspect.ismodule\ninspect.stack()\n"
+                      "inspect.ismodule = lambda m: seen.append(m) or ismodule(m)\ninspect.stack()\nprint(len(seen))")
+    real = int(subprocess.run([warm_python.REAL, script], capture_output=True, text=True, cwd=REPO).stdout)
+    for command in ([script], ["-m", "scan"]):
+        warm = run(*command, cwd=tmp_path)
+        assert int(warm.stdout) < real + 100, (command, warm.stdout, real)  # its own frames: a few lookups each
+
+
+def test_a_command_leaves_the_servers_op_registrations_to_the_server_and_undoes_its_own():
+    """torch.library's finalizers undo each registration at exit; in a child, those of the server's imports wrote
+    into pages shared with the server (30 ms of CPU a command). Only the command's own are undone."""
+    code = ("import weakref, torch.library as L; lib = L.Library('warm_test', 'DEF'); print(sum(f.atexit for f, i in "
+            "weakref.finalize._registry.items() if i.func is L._del_library))")
+    assert run("-c", code).stdout == "1\n"
+    assert int(subprocess.run([warm_python.REAL, "-c", code], capture_output=True, text=True).stdout) > 100
