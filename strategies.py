@@ -103,6 +103,7 @@ def build_cpu_op(name: str) -> None:
     """Compile one DeepSpeed CPU op into torch's extension cache (a no-op when it is there and up to date)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_venv_libaio()
+    ask_cpuinfo_once()
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder(name)
@@ -114,6 +115,18 @@ def build_cpu_op(name: str) -> None:
         print(f"built DeepSpeed's {builder.name}")
     except Exception as e:  # the run that needs it will build it again and fail with DeepSpeed's own message
         print(f"note: DeepSpeed's {builder.name} did not build ({type(e).__name__}: {str(e)[:200]})")
+
+
+def ask_cpuinfo_once() -> None:
+    """DeepSpeed asks py-cpuinfo about the CPU three times as it loads an op (CPU Adam: the vendor, then the build's
+    -march and SIMD width, even when built), and each answer is a Python started for it: 1.1 s a call with torch
+    imported. The CPU stays the same while a process runs: asked once, each caller gets a copy of the answer."""
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "answer"):
+        answer = functools.cache(cpuinfo.get_cpu_info)
+        cpuinfo.get_cpu_info = lambda: dict(answer())
+        cpuinfo.get_cpu_info.answer = answer
 
 
 def build_cpu_ops(names=SETUP_OPS) -> None:
@@ -251,6 +264,8 @@ def make_strategy(cfg, on_gpu: bool):
     L = layout(cfg)
     if L.deepspeed:
         from lightning.fabric.strategies import DeepSpeedStrategy
+
+        ask_cpuinfo_once()
 
         if L.offload and not on_gpu:
             build_offload_ops()  # before the ranks start, where `make setup` left it out

@@ -172,6 +172,25 @@ def test_an_op_make_setup_left_out_is_built_before_the_ranks_start_with_a_line(m
     assert "CPUAdamBuilder" not in strategies.SETUP_OPS and "AsyncIOBuilder" in strategies.NVME_OPS
 
 
+@pytest.mark.slow  # imports DeepSpeed
+def test_deepspeed_asks_py_cpuinfo_once_a_process(monkeypatch):
+    """An op's load asks py-cpuinfo for the vendor, -march and SIMD width, each answer a Python of its own (1.1 s):
+    DeepSpeed's own builder, asked twice after the first answer, starts none, and each caller gets its own copy."""
+    import cpuinfo
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # undone after the test
+    strategies.ask_cpuinfo_once()
+    strategies.ask_cpuinfo_once()
+    first = cpuinfo.get_cpu_info()
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    builder = CPUAdamBuilder()
+    assert builder.cpu_arch() == "-march=native" and builder.simd_width().startswith("-D__AVX")
+    assert cpuinfo.get_cpu_info.answer.cache_info().misses == 1 and cpuinfo.get_cpu_info() is not first
+    assert cpuinfo.get_cpu_info() == first and first["arch"] == "X86_64"
+
+
 def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
     """The venv's `c++` (written by the first op build: make setup's) drops the -g DeepSpeed's builders pass, and is
     the compiler torch's extension builds run (its `c++`, first on PATH once strategies is imported, unless $CXX)."""
