@@ -25,6 +25,7 @@ turns all of it off.
 """
 
 import fcntl
+import gc
 import json
 import os
 import select
@@ -301,6 +302,9 @@ def serve(sock_path: str, client: str) -> None:
     # no module, so each inspect.stack() scanned every loaded module for it (9 ms a call here, 0.2 in a new Python;
     # torchrun's rendezvous calls it at every record, py-cpuinfo at each step of its trace)
     inspect.modulesbyfile.setdefault("<frozen runpy>", "runpy")
+    # what the imports made lives as long as the server: out of every child's garbage collections, which otherwise
+    # walk its half a million objects (0.3 s a full one) and write into each page holding them (copied on write)
+    gc.freeze()
 
     if torch.cuda.is_initialized():  # CUDA cannot be used in a forked child
         sys.exit("warm_python: CUDA was initialized on import; run with FABRIC_LAB_WARM=0")
