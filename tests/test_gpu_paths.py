@@ -173,10 +173,13 @@ def test_an_op_make_setup_left_out_is_built_before_the_ranks_start_with_a_line(m
 
 
 @pytest.mark.slow  # imports DeepSpeed
-def test_deepspeed_asks_py_cpuinfo_once_a_process(monkeypatch):
+def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch):
     """An op's load asks py-cpuinfo for the vendor, -march and SIMD width, each answer a Python of its own (1.1 s):
-    DeepSpeed's own builder, asked twice after the first answer, starts none, and each caller gets its own copy."""
+    DeepSpeed's own builder, asked twice after the first answer, starts none, each caller gets its own copy, and the
+    answer is kept with this machine's measurements for the next process."""
     import cpuinfo
+
+    import cpu_probe
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # undone after the test
@@ -189,6 +192,7 @@ def test_deepspeed_asks_py_cpuinfo_once_a_process(monkeypatch):
     assert builder.cpu_arch() == "-march=native" and builder.simd_width().startswith("-D__AVX")
     assert cpuinfo.get_cpu_info.answer.cache_info().misses == 1 and cpuinfo.get_cpu_info() is not first
     assert cpuinfo.get_cpu_info() == first and first["arch"] == "X86_64"
+    assert cpu_probe.cached("py-cpuinfo", {}, None, allow_measure=False) == first
 
 
 def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
