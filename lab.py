@@ -173,9 +173,9 @@ REFERENCES = {
         # ZeRO-Offload one), probes 106 s
         "data": 9, "lenet-relu": 72, "gelu-check": 2, "lenet-gelu_torch": 110, "lenet-gelu_py": 161, "lenet-gelu_cpp": 103,
         "bench-gelu": 49, "bench-lenet": 54, "bench-gpt": 557, "gpu-check": 0, "report": 3}),
-    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27, 469 s in all
-        "data": 4, "lenet-relu": 32, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 67, "lenet-gelu_cpp": 35,
-        "bench-gelu": 22, "bench-lenet": 18, "bench-gpt": 250, "gpu-check": 0, "report": 1}),
+    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27 13:39, at 0d3b03c, 416 s in all
+        "data": 4, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65, "lenet-gelu_cpp": 36,
+        "bench-gelu": 22, "bench-lenet": 16, "bench-gpt": 207, "gpu-check": 0, "report": 1}),
 }
 TIMINGS = "lab/timings.json"  # under --runs
 
