@@ -152,12 +152,12 @@ def local_copy(root: Path, name: str) -> tuple[bool, str | None]:
     return False, "; ".join(problems) or None
 
 
-def download(root, mirror: str | None = None, quiet: bool = False) -> None:
-    """Fetch the four MNIST files into `root` (decompressed, SHA-256 checked); skip those already valid, raw or
-    as the .gz a mirror folder holds."""
+def download(root, mirror: str | None = None, quiet: bool = False, names=tuple(SHA256)) -> None:
+    """Fetch MNIST's files (`names`: all four) into `root` (decompressed, SHA-256 checked); skip those already
+    valid, raw or as the .gz a mirror folder holds."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for name in SHA256:
+    for name in names:
         path = root / name
         good, problem = local_copy(root, name)
         if good:
@@ -199,8 +199,8 @@ def load_split(root, split: str = "train", download_missing: bool = False, mirro
         raise MNISTError(f"unknown split {split!r}; choose one of {sorted(SPLITS)}")
     root = Path(root)
     image_name, label_name = SPLITS[split]
-    if download_missing:
-        download(root, mirror)
+    if download_missing:  # this split's two files: a run that loads both splits checks each file once
+        download(root, mirror, names=SPLITS[split])
     elif not (_find(root, image_name).exists() and _find(root, label_name).exists()):
         raise MNISTError(f"MNIST {split} split not found in {root}. Fix: pass download=True "
                          f"(or run `python datasets_local.py --root {root}`), with MNIST_MIRROR set when offline.")

@@ -146,6 +146,20 @@ def test_download_from_mirror_verifies_and_skips(mnist_dir, monkeypatch):
         assert hashlib.sha256((mnist_dir / name).read_bytes()).hexdigest() == digest
 
 
+def test_a_split_loaded_with_download_checks_its_own_two_files_only(tmp_path, mnist_dir, monkeypatch):
+    """Each file is checked (SHA-256) when its split is loaded, so a run that loads both checks each once; a split
+    whose files are here loads offline even where the other split's are missing, and that one names its file."""
+    for name in dl.SPLITS["train"]:
+        (tmp_path / name).symlink_to(mnist_dir / name)
+    checked, local_copy = [], dl.local_copy
+    monkeypatch.setattr(dl, "local_copy", lambda root, name: checked.append(name) or local_copy(root, name))
+    offline = str(tmp_path / "no-mirror-here")
+    assert len(dl.MNIST(tmp_path, train=True, download=True, mirror=offline)) == 60_000
+    assert sorted(checked) == sorted(dl.SPLITS["train"])
+    with pytest.raises(MNISTError, match="t10k-images-idx3-ubyte.gz could not be fetched"):
+        dl.MNIST(tmp_path, train=False, download=True, mirror=offline)
+
+
 def test_real_mnist_label_counts(mnist_dir):
     # The counts listed in shared/data/mnist/README.md.
     _, y_train = dl.load_split(mnist_dir, "train")
