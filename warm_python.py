@@ -40,7 +40,8 @@ from pathlib import Path
 PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "psutil", "lightning.fabric",
            "lightning.fabric.strategies", "lightning.fabric.loggers", "torchmetrics", "transformers",
            "transformers.models.gpt2.modeling_gpt2", "safetensors.torch", "torch.utils.tensorboard",
-           "torch._inductor.compile_fx")  # what torch.compile imports first, as does every DeepSpeed ZeRO rank (Muon)
+           "torch._inductor.compile_fx",  # what torch.compile imports first, as does every DeepSpeed ZeRO rank (Muon)
+           "torch.distributed.tensor.experimental", "torch.distributed.pipelining")  # fsdp/tp checkpoints, pp runs
 # read once, at import or library load, by what PRELOAD loads: a child whose value differs runs a real interpreter
 LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON", "HF_",
              "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "XDG_CACHE_HOME")
