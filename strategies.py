@@ -269,8 +269,7 @@ def make_strategy(cfg, on_gpu: bool):
     if L.deepspeed:
         from lightning.fabric.strategies import DeepSpeedStrategy
 
-        ask_cpuinfo_once()
-
+        ask_cpuinfo_once()  # before DeepSpeed's first op load
         if L.offload and not on_gpu:
             build_offload_ops()  # before the ranks start, where `make setup` left it out
         strategy = DeepSpeedStrategy(config=deepspeed_config(cfg)) if on_gpu else cpu_deepspeed_strategy(deepspeed_config(cfg))
