@@ -250,7 +250,7 @@ def keep_the_servers_op_registrations() -> None:
 
     import torch.library
 
-    for finalizer, info in list(weakref.finalize._registry.items()):  # CPython's table of live finalizers
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):  # CPython's live finalizers
         if info.func is torch.library._del_library:
             finalizer.atexit = False
 
