@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps
 from checkpoints import read_record, write_json_atomic
 from layout import layout
+import warm_python
 
 REPO = Path(__file__).resolve().parent
 
@@ -37,9 +38,11 @@ def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tup
     hide what the rank said."""
     command, env = [sys.executable, script, *map(str, args)], {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as logs:
-        if ranks > 1:
-            command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                            "--log-dir", logs, "--redirects", "2"]
+        if ranks > 1:  # the ranks are this `python` (a table's memory is theirs); the agent, which only starts
+            # them, is a warm one where one is at hand (make lab's): an interpreter's start less in every case
+            command = [warm_python.executable() if warm_python.at_hand() else sys.executable, "-m",
+                       "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "--log-dir", logs,
+                       "--redirects", "2", "--no-python", sys.executable, "-u", *command[1:]]
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
         proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True, env=env)
         # the first rank's `error: ...`, else rank 0's last line: torchrun stops the other ranks once one has failed,

@@ -146,6 +146,13 @@ def executable() -> str:
     return _client
 
 
+def at_hand() -> bool:
+    """Whether a server is running for this process to use without starting one: it is a warm child, or its starter
+    handed it a client (FABRIC_LAB_WARM_CLIENT)."""
+    return os.environ.get("FABRIC_LAB_WARM", "1") != "0" and (
+        is_client(sys.executable) or is_client(os.environ.get(SHARED, "")))
+
+
 def is_client(path: str) -> bool:
     try:
         with open(path, "rb") as f:

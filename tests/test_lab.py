@@ -80,6 +80,23 @@ def test_unknown_stage_is_refused_with_the_list(capsys):
     assert "bench-gpt" in err and err.rstrip().endswith("got lenet-swish (see lab.py --help)")
 
 
+@pytest.mark.slow  # a real interpreter and torchrun
+def test_bench_gpt_in_the_lab_runs_its_ranks_real_under_a_warm_agent(tmp_path):
+    """bench-gpt runs real (its table reports each rank's memory) with the lab's client at hand: torchrun's agent,
+    which only starts the ranks, is forked from the lab's server; the ranks are real interpreters."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, psutil; agent = ' '.join(psutil.Process(os.getppid()).cmdline())\n"
+                      "print(os.environ['RANK'], sys.executable, 'warm_python.py' in agent, file=sys.stderr)")
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import bench, warm_python; "
+            f"print(warm_python.at_hand(), bench.run({str(script)!r}, [], ranks=2))")
+    env = {**os.environ, warm_python.SHARED: warm_python.executable()}
+    lab_like = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert lab_like.stdout == f"True (0, '0 {warm_python.REAL} True')\n", lab_like.stderr
+    env[warm_python.SHARED] = warm_python.REAL  # not a client: make bench-gpt on its own starts no server for it
+    alone = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert alone.stdout == f"False (0, '0 {warm_python.REAL} False')\n", alone.stderr
+
+
 def test_stages_start_warm_but_those_a_fork_would_change(tmp_path, capsys, monkeypatch):
     """Forked from the warm python: every stage but bench-gpt (its table reports each run's memory, which in a fork
     counts the server's pages) and gpu-check (CUDA); on a machine with GPUs, every stage starts a real interpreter."""
