@@ -120,15 +120,16 @@ def build_cpu_op(name: str) -> None:
 def ask_cpuinfo_once() -> None:
     """DeepSpeed asks py-cpuinfo about the CPU three times as it loads an op (CPU Adam: the vendor, then the build's
     -march and SIMD width, even when built), and each answer is a Python started for it that busy-waits 1 s on a
-    CPUID process. The answer is the machine's: asked once per machine, kept with cpu_probe's measurements, and
-    each caller gets a copy of it."""
+    CPUID process. The answer is the machine's: asked once per machine, kept with cpu_probe's measurements (never
+    waiting for their lock: a measurement holds it while its minimal job, perhaps a DeepSpeed rank, runs), and each
+    caller gets a copy of it."""
     import cpuinfo
 
     import cpu_probe
 
     if not hasattr(cpuinfo.get_cpu_info, "answer"):
         ask = cpuinfo.get_cpu_info
-        answer = functools.cache(lambda: cpu_probe.cached("py-cpuinfo", {}, ask))
+        answer = functools.cache(lambda: cpu_probe.cached_unlocked("py-cpuinfo", {}, ask))
         cpuinfo.get_cpu_info = lambda: dict(answer())
         cpuinfo.get_cpu_info.answer = answer
 

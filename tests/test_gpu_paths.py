@@ -195,6 +195,27 @@ def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch):
     assert cpu_probe.cached("py-cpuinfo", {}, None, allow_measure=False) == first
 
 
+@pytest.mark.slow  # a process that imports DeepSpeed
+def test_py_cpuinfo_is_asked_without_waiting_for_the_probe_cache_a_measurement_holds(tmp_path):
+    """cpu_probe holds its cache's lock while a measurement's minimal job runs (bench-gpt's predictions), and such a
+    job may be a DeepSpeed rank: asking py-cpuinfo there must not wait for that lock (make lab hung on it)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    import cpu_probe
+
+    code = ("import cpuinfo, strategies; strategies.ask_cpuinfo_once(); "
+            "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; print(CPUAdamBuilder().simd_width())")
+    env = {**os.environ, "FABRIC_LAB_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"}
+    lock_path = cpu_probe.cache_file().with_suffix(".lock").name
+    with open(tmp_path / lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a measurement in progress holds it
+        job = subprocess.run([sys.executable, "-c", code], cwd=strategies.Path(strategies.__file__).parent, env=env,
+                             capture_output=True, text=True, timeout=90)
+    assert job.returncode == 0 and job.stdout.startswith("-D__"), job.stderr[-2000:]
+
+
 def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
     """The venv's `c++` (written by the first op build: make setup's) drops the -g DeepSpeed's builders pass, and is
     the compiler torch's extension builds run (its `c++`, first on PATH once strategies is imported, unless $CXX)."""
