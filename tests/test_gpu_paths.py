@@ -173,7 +173,7 @@ def test_an_op_make_setup_left_out_is_built_before_the_ranks_start_with_a_line(m
 
 
 @pytest.mark.slow  # imports DeepSpeed
-def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch):
+def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch, tmp_path):
     """An op's load asks py-cpuinfo for the vendor, -march and SIMD width, each answer a Python of its own (1.1 s):
     DeepSpeed's own builder, asked twice after the first answer, starts none, each caller gets its own copy, and the
     answer is kept with this machine's measurements for the next process."""
@@ -182,7 +182,8 @@ def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch):
     import cpu_probe
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # undone after the test
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))  # a cache of its own: no other worker holds its lock
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.cpuinfo.get_cpu_info)  # py-cpuinfo's own, undone after
     strategies.ask_cpuinfo_once()
     strategies.ask_cpuinfo_once()
     first = cpuinfo.get_cpu_info()
