@@ -40,7 +40,7 @@ def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tup
     with tempfile.TemporaryDirectory() as logs:
         if ranks > 1:  # the ranks are this `python` (a table's memory is theirs); the agent, which only starts
             # them, is a warm one where one is at hand (make lab's): an interpreter's start less in every case
-            command = [warm_python.executable() if warm_python.at_hand() else sys.executable, "-m",
+            command = [warm_python.at_hand() or sys.executable, "-m",
                        "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "--log-dir", logs,
                        "--redirects", "2", "--no-python", sys.executable, "-u", *command[1:]]
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))

@@ -131,26 +131,22 @@ SHARED = "FABRIC_LAB_WARM_CLIENT"  # a server's client handed to a real interpre
 
 
 def executable() -> str:
-    """The `python` to start a job with: the warm client (its server starts on the first call and imports in the
-    background; a command waits for it), this process's own when it is a warm child already, the one in
-    FABRIC_LAB_WARM_CLIENT when its starter handed it one, or the real one with FABRIC_LAB_WARM=0."""
+    """The `python` to start a job with: the client at hand, else a warm client of its own (its server starts on the
+    first call and imports in the background; a command waits for it), or the real one with FABRIC_LAB_WARM=0."""
     global _client
+    client = at_hand()
+    if client is None and os.environ.get("FABRIC_LAB_WARM", "1") != "0":
+        client = _client = _start_server()
+    return client or REAL
+
+
+def at_hand() -> str | None:
+    """The warm client this process can use without starting a server: its own python when it is a warm child (its
+    children are forked there too), the one its starter handed it (FABRIC_LAB_WARM_CLIENT: started real beside a
+    server), or the one it started already; None with FABRIC_LAB_WARM=0."""
     if os.environ.get("FABRIC_LAB_WARM", "1") == "0":
-        return REAL
-    if is_client(sys.executable):  # forked by a server: its children are forked there too
-        return sys.executable
-    if is_client(os.environ.get(SHARED, "")):  # started real beside a server: its jobs go there
-        return os.environ[SHARED]
-    if _client is None:
-        _client = _start_server()
-    return _client
-
-
-def at_hand() -> bool:
-    """Whether a server is running for this process to use without starting one: it is a warm child, or its starter
-    handed it a client (FABRIC_LAB_WARM_CLIENT)."""
-    return os.environ.get("FABRIC_LAB_WARM", "1") != "0" and (
-        is_client(sys.executable) or is_client(os.environ.get(SHARED, "")))
+        return None
+    return next((path for path in (sys.executable, os.environ.get(SHARED, "")) if is_client(path)), _client)
 
 
 def is_client(path: str) -> bool:

@@ -88,7 +88,7 @@ def test_bench_gpt_in_the_lab_runs_its_ranks_real_under_a_warm_agent(tmp_path):
     script.write_text("import os, sys, psutil; agent = ' '.join(psutil.Process(os.getppid()).cmdline())\n"
                       "print(os.environ['RANK'], sys.executable, 'warm_python.py' in agent, file=sys.stderr)")
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import bench, warm_python; "
-            f"print(warm_python.at_hand(), bench.run({str(script)!r}, [], ranks=2))")
+            f"print(warm_python.at_hand() is not None, bench.run({str(script)!r}, [], ranks=2))")
     env = {**os.environ, warm_python.SHARED: warm_python.executable()}
     lab_like = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert lab_like.stdout == f"True (0, '0 {warm_python.REAL} True')\n", lab_like.stderr
