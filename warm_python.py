@@ -44,10 +44,12 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "psutil
            "torch.distributed.tensor.experimental", "torch.distributed.pipelining")  # fsdp/tp checkpoints, pp runs
 # read once, at import or library load, by what PRELOAD loads: a child whose value differs runs a real interpreter
 LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON", "HF_",
-             "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_", "XDG_CACHE_HOME")
+             "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "NVIDIA_",
+             "XDG_CACHE_HOME")
 # applied per child, or read when used (torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING for its workers; an NCCL group
-# reads it when made)
-APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+# reads it when made; inductor looks its cache folder up at each compile)
+APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+           "TORCHINDUCTOR_CACHE_DIR"}
 START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGCONT, signal.SIGALRM)

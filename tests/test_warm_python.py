@@ -82,7 +82,7 @@ def test_signals_reach_the_command_and_sigkill_ends_it(tmp_path):
     assert not os.path.exists(f"/proc/{pid_file.read_text()}")
 
 
-def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_interpreter():
+def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_interpreter(tmp_path):
     nested = run("-c", "import subprocess, sys; print(subprocess.run([sys.executable, '-c', 'import sys; "
                  "print(sys.executable)'], capture_output=True, text=True).stdout.strip())")
     assert nested.stdout.strip() == warm_python.executable() != warm_python.REAL
@@ -90,6 +90,13 @@ def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_i
     assert capped.stdout.strip() == warm_python.REAL  # read once by torch: a forked child would keep the server's
     worker = run("-c", "import sys; print(sys.executable)", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
     assert worker.stdout.strip() == warm_python.executable()  # what torchrun gives each worker: read when used
+    compile_env = {"TORCHINDUCTOR_FREEZING": "1", "TORCHDYNAMO_VERBOSE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    settings = run("-c", "import sys, torch._dynamo, torch._inductor.config as c; "
+                   "from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+                   "print(c.freezing, torch._dynamo.config.verbose, cache_dir(), sys.executable)", env=compile_env)
+    assert settings.stdout.split()[:3] == ["True", "True", str(tmp_path)]  # read at import by the server's torch
+    cache_only = run("-c", "import sys; print(sys.executable)", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert cache_only.stdout.strip() == warm_python.executable()  # looked up at each compile: the child's own
 
 
 def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):
