@@ -94,6 +94,7 @@ def build_model(cfg, fabric=None):
     with fabric.init_module(empty_init=True) if partitioned else nullcontext(), no_init_weights():
         model = GPT2LMHeadModel(gpt2_config(cfg))
         model.tie_weights()  # lm_head is the token embedding: the skipped initialisation ties them
+    model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, named: no warning per rank
     fill_initial_weights(model, cfg, partitioned)
     if cfg.grad_checkpointing:
         kwargs = {"use_reentrant": False}  # the reentrant variant drops gradients of inputs without grad

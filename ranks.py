@@ -111,8 +111,9 @@ def launch(fabric, num_nodes: int, timeout: float) -> None:
         timer.cancel()
     if fabric.world_size > 1:  # every rank, so that a log shows where each one runs (and its pid, for a kill)
         environment_name = type(getattr(fabric.strategy, "cluster_environment", None)).__name__
-        print(f"rank {fabric.global_rank}/{fabric.world_size}: node {fabric.node_rank}, local rank {fabric.local_rank}, "
-              f"pid {os.getpid()}, host {platform.node()}, {environment_name} (launcher: {launcher()})", flush=True)
+        line = (f"rank {fabric.global_rank}/{fabric.world_size}: node {fabric.node_rank}, local rank {fabric.local_rank}, "
+                f"pid {os.getpid()}, host {platform.node()}, {environment_name} (launcher: {launcher()})\n")
+        print(line, end="", flush=True)  # one write with its newline: unbuffered, print writes the end apart
 
 
 # what gloo and NCCL raise in a collective whose peer is gone

@@ -107,8 +107,9 @@ def two_process(tmp_path_factory):
     """Runs on 2 processes by strategy, made once and shared by the parity and resume tests."""
     def get(name):
         def make(out):
-            run_gpt(out, name, "--strategy", name.removesuffix("_gpipe"), "--devices", "2", *TWO_PROCESS[name],
-                    "--count-comms", "--checkpoint-every", "2", "--keep-last", "6", base=EXACT)  # resumed mid-run
+            proc = run_gpt(out, name, "--strategy", name.removesuffix("_gpipe"), "--devices", "2", *TWO_PROCESS[name],
+                           "--count-comms", "--checkpoint-every", "2", "--keep-last", "6", base=EXACT)  # resumed mid-run
+            (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
         return shared_dir(tmp_path_factory, f"gpt-two-{name}", make), name
     return get
 
@@ -138,6 +139,11 @@ def test_strategy_equals_one_process(single, two_process, name):
         torch.testing.assert_close(w_got[key], w_ref[key], rtol=1e-4, atol=1e-5, msg=key)
     changed = w_ref["transformer.h.0.attn.c_attn.weight"] - gpt.build_model(gpt.resolve(gpt.Config())).transformer.h[0].attn.c_attn.weight
     assert changed.abs().max() > 1e-3  # the comparison is about trained weights
+    # what the user reads: no library warnings (DeepSpeed's deprecated collectives, transformers' unnamed loss),
+    # and each rank's line whole
+    log = (out / f"{name}.log").read_text()
+    assert "Warning:" not in log and "loss_type" not in log, log[:3000]
+    assert len(re.findall(r"^rank [01]/2: .*\)$", log, re.M)) == 2, log[:3000]
 
 
 OFFLOAD = ["--devices", "2", "--micro-batch-size", "2", "--lr", "3e-3"]
