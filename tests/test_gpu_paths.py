@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from conftest import run_in_process
+from conftest import run_in_process, run_script
 import bench
 import fabric_gpt as gpt
 import gpu_check
@@ -201,19 +201,16 @@ def test_py_cpuinfo_is_asked_without_waiting_for_the_probe_cache_a_measurement_h
     """cpu_probe holds its cache's lock while a measurement's minimal job runs (bench-gpt's predictions), and such a
     job may be a DeepSpeed rank: asking py-cpuinfo there must not wait for that lock (make lab hung on it)."""
     import fcntl
-    import subprocess
-    import sys
 
     import cpu_probe
 
     code = ("import cpuinfo, strategies; strategies.ask_cpuinfo_once(); "
             "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; print(CPUAdamBuilder().simd_width())")
-    env = {**os.environ, "FABRIC_LAB_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"}
     lock_path = cpu_probe.cache_file().with_suffix(".lock").name
     with open(tmp_path / lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # as a measurement in progress holds it
-        job = subprocess.run([sys.executable, "-c", code], cwd=strategies.Path(strategies.__file__).parent, env=env,
-                             capture_output=True, text=True, timeout=90)
+        job = run_script("-c", code, env={"FABRIC_LAB_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"}, timeout=90,
+                         check=False)
     assert job.returncode == 0 and job.stdout.startswith("-D__"), job.stderr[-2000:]
 
 
