@@ -350,9 +350,10 @@ def test_a_graph_compiled_without_caps_is_not_served_under_them():
     code) failed to compile. The cap is the one below what this machine (or the suite's own cap) runs, so that the
     two runs differ on a CPU without AVX-512 too. In inductor's own cache folder, as a user's runs: 10 s once warm,
     30 s on an empty cache (this EPYC)."""
-    below = {"AVX512": "avx2", "AVX2": "default"}.get(torch.backends.cpu.get_cpu_capability())
+    capability = torch.backends.cpu.get_cpu_capability()
+    below = {"AVX512": "avx2", "AVX2": "default"}.get(capability)
     if below is None:
-        pytest.skip(f"ATen runs {torch.backends.cpu.get_cpu_capability()} here: no narrower cap to compile under")
+        pytest.skip(f"ATen runs {capability} here: no narrower cap to compile under")
     for caps in ({}, {"ATEN_CPU_CAPABILITY": below}):
         error = float(run_script("-c", COMPILED_SOFTMAX, env=caps).stdout.split()[-1])
         assert error < 1e-4, (caps, error)
