@@ -12,7 +12,7 @@ import torch
 from flags import ConfigError
 from gpt_model import SDPA_FLOAT32, count_parameters
 from layout import layout
-from strategies import fsdp_gathers_bf16
+from strategies import deepspeed_on_cpu, fsdp_gathers_bf16
 
 # Dense (not sparse) peak FLOP/s per GPU from NVIDIA's datasheets, for the dtype the matmuls run in.
 # Lightning's get_available_flops lists some sparse figures (H100 NVL, H200) and misses names, so it is not used.
@@ -390,6 +390,8 @@ def process_baseline() -> float:
 def deepspeed_estimate(cfg, n_params: int) -> float | None:
     """DeepSpeed's own per-GPU model-state estimate for ZeRO-2/3 (it has none for stage 1)."""
     stage, offload = layout(cfg).zero_stage, layout(cfg).offload
+    if not torch.cuda.is_available():
+        deepspeed_on_cpu()  # the first import of DeepSpeed in a plan: its accelerator named, not searched for
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -437,6 +439,8 @@ def host_plan(cfg, on_gpu: bool, counted: tuple[int, str] | None = None, device:
     """Host RAM per process and for this machine's processes (host_memory_plan), from the device plan
     (made here unless the caller has it)."""
     if layout(cfg).deepspeed:
+        if not (on_gpu and torch.cuda.is_available()):
+            deepspeed_on_cpu()  # its accelerator named, not searched for with a warning
         import deepspeed  # noqa: F401  (imported by every rank anyway: its memory belongs to the baseline)
     device = device or device_plan(cfg, on_gpu, counted)
     return host_memory_plan(cfg, device["n_params"], device, on_gpu, process_baseline())

@@ -15,6 +15,7 @@ device mesh and saves distributed checkpoints; the functions here decide what ea
 import argparse
 import ctypes
 import functools
+import logging
 import os
 import re
 import shutil
@@ -99,9 +100,21 @@ OFFLOAD_OPS = ("CPUAdamBuilder",)
 NVME_OPS = ("AsyncIOBuilder", "PinMemoryBuilder")
 
 
+def deepspeed_on_cpu() -> None:
+    """DeepSpeed picks its accelerator at its first import: named here for a run on the CPU, rather than searched
+    for with a warning that no GPU was found (every rank). torch's extension builder, which DeepSpeed imports, warns
+    too where nvcc is on PATH but no GPU is ("No CUDA runtime is found"): DeepSpeed's CPU ops build without CUDA."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_no_cuda_runtime)
+
+
+def not_no_cuda_runtime(record: logging.LogRecord) -> bool:
+    return "No CUDA runtime is found" not in record.getMessage()
+
+
 def build_cpu_op(name: str) -> None:
     """Compile one DeepSpeed CPU op into torch's extension cache (a no-op when it is there and up to date)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed_on_cpu()
     use_venv_libaio()
     ask_cpuinfo_once()
     from deepspeed.accelerator import get_accelerator
@@ -165,7 +178,7 @@ def install_compiler_without_debug_info() -> None:
 
 def build_offload_ops() -> None:
     """CPU Adam for a ZeRO-Offload run, compiled before the ranks start when `make setup` left it out."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed_on_cpu()
     if not op_is_built("cpu_adam"):
         print("note: building DeepSpeed's CPU Adam for ZeRO-Offload, once (make setup leaves it to the first offload "
               "run)", flush=True)
@@ -185,7 +198,7 @@ def prepare_nvme_offload(path: str, on_gpu: bool) -> None:
     DeepSpeed still finds no libaio or the folder cannot be written."""
     use_venv_libaio()
     if not on_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed's first import, as below
+        deepspeed_on_cpu()  # before deepspeed's first import, as below
     else:
         from torch.utils.cpp_extension import CUDA_HOME
 
@@ -232,7 +245,7 @@ def cuda_toolkit_problem(cuda_home: str | None) -> str | None:
 def cpu_deepspeed_strategy(config: dict):
     """Fabric's DeepSpeedStrategy accepts only CUDA; DeepSpeed itself runs ZeRO on the CPU (its CPU
     accelerator, gloo). This subclass lifts only the CUDA checks, through Fabric's extension points."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, here and in the workers
+    deepspeed_on_cpu()  # before deepspeed's first import, here and in the workers
     from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
     from lightning.fabric.utilities.seed import reset_seed
 
