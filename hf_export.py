@@ -13,6 +13,7 @@ checkpoints (ZeRO, FSDP2, tensor and pipeline parallel) are gathered into one or
 (strategies.export_checkpoint); the weights are written from that dict itself, never copied into a second model.
 """
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -59,11 +60,27 @@ def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.fl
                                                pad_token_id=config.eos_token_id, max_length=config.n_positions)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, max_shard_size=SHARD, safe_serialization=True)
+    with shard_bar(sys.stderr.isatty()):
+        model.save_pretrained(partial, max_shard_size=SHARD, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(partial)
     replace_folder(partial, folder)
     return folder
+
+
+@contextlib.contextmanager
+def shard_bar(shown: bool):
+    """save_pretrained's progress bar over the shards, on a terminal only: in a log it is a line of control characters."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def run_tokenizer(run_dir: Path, cfg):
