@@ -2,6 +2,7 @@
 GPUs nvidia-smi sees, and the CPU's name and units that the records and benchmarks print beside every figure."""
 
 import contextlib
+import logging
 import os
 import platform
 import shutil
@@ -12,6 +13,16 @@ from pathlib import Path
 import torch
 
 from flags import ConfigError
+
+
+def hide_the_cuda_home_guess() -> None:
+    """torch's extension builder warns at import where nvcc is on PATH but no GPU is ("No CUDA runtime is found, using
+    CUDA_HOME=..."): for a build without CUDA (DeepSpeed's CPU ops, the C++ GELU's CPU variant) it only misleads."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_guess)
+
+
+def not_the_cuda_home_guess(record: logging.LogRecord) -> bool:
+    return "No CUDA runtime is found" not in record.getMessage()
 
 
 def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: bool = False) -> bool:

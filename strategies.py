@@ -15,7 +15,6 @@ device mesh and saves distributed checkpoints; the functions here decide what ea
 import argparse
 import ctypes
 import functools
-import logging
 import os
 import re
 import shutil
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from flags import ConfigError
+from hardware import hide_the_cuda_home_guess
 from layout import layout
 
 def fsdp_gathers_bf16(cfg) -> bool:
@@ -102,14 +102,10 @@ NVME_OPS = ("AsyncIOBuilder", "PinMemoryBuilder")
 
 def deepspeed_on_cpu() -> None:
     """DeepSpeed picks its accelerator at its first import: named here for a run on the CPU, rather than searched
-    for with a warning that no GPU was found (every rank). torch's extension builder, which DeepSpeed imports, warns
-    too where nvcc is on PATH but no GPU is ("No CUDA runtime is found"): DeepSpeed's CPU ops build without CUDA."""
+    for with a warning that no GPU was found (every rank); its CPU ops build without CUDA, so torch's guess of a
+    CUDA toolkit is hidden too."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    logging.getLogger("torch.utils.cpp_extension").addFilter(not_no_cuda_runtime)
-
-
-def not_no_cuda_runtime(record: logging.LogRecord) -> bool:
-    return "No CUDA runtime is found" not in record.getMessage()
+    hide_the_cuda_home_guess()
 
 
 def build_cpu_op(name: str) -> None:

@@ -8,7 +8,6 @@ prints the errors and gradcheck results, `python -m gelu_ext bench` the speed ag
 """
 
 import fcntl
-import logging
 import math
 import os
 import shutil
@@ -137,8 +136,10 @@ def load_cpp(verbose: bool = False) -> None:
         raise GeluBuildError(f"gelu_cpp needs a C++ compiler, and {compiler!r} was not found on PATH. "
                              "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
     name, sources, flags, cuda_flags, toolkit = build_plan()
-    if not toolkit:  # torch warns at this import where nvcc is on PATH but no GPU: a build without CUDA, misleading
-        logging.getLogger("torch.utils.cpp_extension").addFilter(_not_no_cuda_runtime)
+    if not toolkit:  # a build without CUDA: torch's guess of a toolkit at the import below would mislead
+        from hardware import hide_the_cuda_home_guess
+
+        hide_the_cuda_home_guess()
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
 
     venv_bin = Path(sys.prefix) / "bin"  # its ninja, whatever the shell's PATH: another version rebuilds (strategies.py)
@@ -166,10 +167,6 @@ def load_cpp(verbose: bool = False) -> None:
                                     else "") + ".") from e
     _register_python_side()
     _loaded = True
-
-
-def _not_no_cuda_runtime(record: logging.LogRecord) -> bool:
-    return "No CUDA runtime is found" not in record.getMessage()
 
 
 def cuda_implementation() -> str:
