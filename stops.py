@@ -26,6 +26,8 @@ import sys
 
 from ranks import any_rank
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}  # those a launcher forwards
+
 
 class StopRequest:
     """The run's signal handlers: `listen(requeue_signal)` installs them (run_state.exits restores the previous ones
@@ -120,13 +122,18 @@ def requeue_slurm_job(resume: str) -> tuple[bool, str]:
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return False, f"scontrol is not on PATH here, so SLURM job {job} was not requeued; {by_hand}"
+    # A session of its own, and the stop signals blocked: a launcher's stop to the rank's process group (torchrun's
+    # SIGTERM after a repeated signal) would otherwise end scontrol mid-requeue, even one sent in the instant
+    # between its fork and its new session (pending there, it kills the child once its signal mask is restored).
+    # scontrol inherits the mask; the timeout still ends it (SIGKILL).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        # a session of its own: a launcher's stop to the task's process group (torchrun's SIGTERM after a repeated
-        # signal) would otherwise end scontrol mid-requeue
         proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60,
                               start_new_session=True)
     except (OSError, subprocess.SubprocessError) as e:
         return False, f"`scontrol requeue {job}` could not run ({e}); {by_hand}"
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         return False, f"`scontrol requeue {job}` failed ({why}); {by_hand}"
