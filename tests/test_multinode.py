@@ -231,7 +231,8 @@ def test_a_launchers_stop_to_the_rank_never_ends_scontrol_mid_requeue(tmp_path):
            "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     proc = subprocess.Popen([warm_python.executable(), "-c", FLOODED_REQUEUES], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    assert proc.stdout.readline() == "ready\n"
+    first = proc.stdout.readline()
+    assert first == "ready\n", first + proc.communicate(timeout=60)[0]
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         try:
