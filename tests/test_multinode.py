@@ -209,9 +209,8 @@ signal.signal(signal.SIGTERM, lambda *_: seen.append(1))
 print("ready", flush=True)
 while len(seen) < 5:  # the flood has begun
     signal.pause()
-failed = [line for ok, line in (stops.requeue_slurm_job("--resume auto") for _ in range(40)) if not ok]
+failed = [line for ok, line in (stops.requeue_slurm_job("--resume auto") for _ in range(100)) if not ok]
 print(len(failed), failed[:1], flush=True)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flood goes on until this process has exited
 """
 
 
@@ -219,26 +218,31 @@ def test_a_launchers_stop_to_the_rank_never_ends_scontrol_mid_requeue(tmp_path):
     """torchrun's agent, stopping, sends SIGTERM to each rank's process group, and may send it as rank 0 starts
     `scontrol requeue`: scontrol must not die of it, even in the instant between its fork and its own session (a
     signal pending there kills the child once its mask is restored). A process whose group is flooded with SIGTERM
-    requeues 40 times, and each requeue is recorded; without the signals blocked, about half die of it here."""
+    requeues 100 times, and each requeue is recorded; without the signals blocked, 50-78 of them died (AVX-512 EPYC)."""
     import signal
     import subprocess
+    import threading
 
     from conftest import REPO
+    from test_gpt import slurm_job
 
-    (tmp_path / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
-    (tmp_path / "scontrol").chmod(0o755)
-    env = {**os.environ, "SLURM_JOB_ID": "77", "SCONTROL_LOG": str(tmp_path / "log"), "PYTHONPATH": str(REPO),
-           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    proc = subprocess.Popen([warm_python.executable(), "-c", FLOODED_REQUEUES], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([warm_python.executable(), "-c", FLOODED_REQUEUES], cwd=REPO, env=slurm_job(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     first = proc.stdout.readline()
     assert first == "ready\n", first + proc.communicate(timeout=60)[0]
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
+    requeued = threading.Event()
+
+    def flood():
+        while not requeued.is_set() and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            break
-    output = proc.communicate(timeout=10)[0]
+
+    flooding = threading.Thread(target=flood)
+    flooding.start()
+    try:
+        result = proc.stdout.readline()  # the flood stops once the 100 requeues are done
+    finally:
+        requeued.set()
+        flooding.join()
+    output = result + proc.communicate(timeout=60)[0]
     assert proc.returncode == 0 and output.startswith("0 []"), output[-2000:]
-    assert (tmp_path / "log").read_text() == "requeue 77\n" * 40
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n" * 100
