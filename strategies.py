@@ -17,16 +17,17 @@ import ctypes
 import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
+import extension_compiler
 from flags import ConfigError
 from hardware import hide_the_cuda_home_guess
 from layout import layout
@@ -98,6 +99,7 @@ def use_venv_libaio() -> None:
 SETUP_OPS = ("ShareMemCommBuilder",)
 OFFLOAD_OPS = ("CPUAdamBuilder",)
 NVME_OPS = ("AsyncIOBuilder", "PinMemoryBuilder")
+PRECOMPILED_OPS = ("AsyncIOBuilder",)  # 9 of its 12 sources include torch/extension.h (extension_compiler.py)
 
 
 def deepspeed_on_cpu() -> None:
@@ -120,7 +122,8 @@ def build_cpu_op(name: str) -> None:
         print(f"note: DeepSpeed's {name} cannot be built here; runs that need it will say so")
         return
     try:
-        builder.load(verbose=False)
+        with extension_compiler.precompiled_torch_header(builder.name) if name in PRECOMPILED_OPS else nullcontext():
+            builder.load(verbose=False)
         print(f"built DeepSpeed's {builder.name}")
     except Exception as e:  # the run that needs it will build it again and fail with DeepSpeed's own message
         print(f"note: DeepSpeed's {builder.name} did not build ({type(e).__name__}: {str(e)[:200]})")
@@ -147,29 +150,11 @@ def build_cpu_ops(names=SETUP_OPS) -> None:
     """Compile DeepSpeed's CPU ops at `make setup`, as a GPU machine compiles them at install (DS_BUILD_OPS), one
     process each so they build side by side; otherwise the first run that needs one compiles it while its other
     ranks wait at the rendezvous."""
-    install_compiler_without_debug_info()
+    extension_compiler.install()
     procs = [subprocess.Popen([sys.executable, "-c", f"import strategies; strategies.build_cpu_op({name!r})"],
                               cwd=Path(__file__).parent) for name in names]
     if any(p.wait() for p in procs):
         sys.exit("error: a DeepSpeed op build crashed (its output is above)")
-
-
-def install_compiler_without_debug_info() -> None:
-    """DeepSpeed compiles its CPU ops with `-O3 -g`, and no run reads the debug information: without it async I/O and
-    pinned memory took 623 s of CPU instead of 873 (an AVX2 EPYC). torch compiles with $CXX when set (then as given),
-    else the `c++` first on PATH, the venv's (above): one that adds -g0 after the flags. The command ninja records is
-    the same `c++ ...` either way, so an op built with or without it is never rebuilt for the other."""
-    venv_cxx = Path(sys.prefix) / "bin" / "c++"
-    if sys.prefix == sys.base_prefix or venv_cxx.exists():
-        return
-    others = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if Path(p) != venv_cxx.parent)
-    real = shutil.which("c++", path=others)
-    if real:
-        temporary = venv_cxx.with_suffix(f".{os.getpid()}")
-        temporary.write_text(f"#!/bin/sh\n# torch extensions built in this venv (strategies.py): no debug information\n"
-                             f'exec "{real}" "$@" -g0\n')
-        temporary.chmod(0o755)
-        temporary.replace(venv_cxx)
 
 
 def build_offload_ops() -> None:

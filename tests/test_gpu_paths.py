@@ -14,6 +14,7 @@ import torch
 
 from conftest import run_in_process, run_script
 import bench
+import extension_compiler
 import fabric_gpt as gpt
 import gpu_check
 import hardware
@@ -224,7 +225,7 @@ def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
 
     monkeypatch.delenv("CXX", raising=False)
 
-    strategies.install_compiler_without_debug_info()
+    extension_compiler.install()
     wrapper = os.path.join(sys.prefix, "bin", "c++")
     assert cpp_extension.get_cxx_compiler() == "c++" and shutil.which("c++") == wrapper
     source = tmp_path / "op.cpp"
@@ -235,3 +236,44 @@ def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
         sections[name] = subprocess.run(["readelf", "-S", tmp_path / f"{name}.o"], capture_output=True, text=True,
                                         check=True).stdout
     assert ".debug_info" in sections["system"] and ".debug_info" not in sections["venv"]
+
+
+def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path, monkeypatch):
+    """Async I/O's way through the venv's `c++` (FABRIC_LAB_PRECOMPILE names it): torch/extension.h is compiled once
+    with the sources' own flags and read precompiled by each source that includes it, here through a header of its
+    own as DeepSpeed's do; not by a source that does not include it, nor by another op's; ninja's dependency file names
+    no precompiled file (deleted after the build, which must not make the op stale); and the build's folder of them goes."""
+    import subprocess
+    import sys
+
+    extension_compiler.install()
+    cxx = os.path.join(sys.prefix, "bin", "c++")
+    (tmp_path / "include" / "torch").mkdir(parents=True)
+    (tmp_path / "include" / "torch" / "extension.h").write_text("#pragma once\n#include <vector>\ninline int one() { return 1; }\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "op.h").write_text("#pragma once\n#include <cstdlib>\n#include <torch/extension.h>\n")
+    (tmp_path / "lib" / "uses_torch.cpp").write_text('#include <string>\n#include "op.h"\nint two() { return one() + 1; }\n')
+    (tmp_path / "lib" / "plain.cpp").write_text("#include <cstdlib>\nint three() { return 3; }\n")
+    build = tmp_path / "build" / "async_io"
+    build.mkdir(parents=True)
+
+    def compile(source, op):  # as torch's build.ninja runs it, -H to list what the compiler reads
+        flags = ["-MMD", "-MF", f"{source}.o.d", f"-DTORCH_EXTENSION_NAME={op}", f"-I{tmp_path / 'lib'}", "-isystem",
+                 str(tmp_path / "include"), "-fPIC", "-std=c++20", "-O0", "-H", "-c", str(tmp_path / "lib" / source),
+                 "-o", f"{source}.o"]
+        done = subprocess.run([cxx, *flags], cwd=build, capture_output=True, text=True,
+                              env={**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io"})
+        assert done.returncode == 0 and (build / f"{source}.o").exists(), done.stderr[-2000:]
+        return [line for line in done.stderr.splitlines() if line.startswith("! ")]  # -H: a precompiled header read
+
+    read = compile("uses_torch.cpp", "async_io")
+    gch = list((build / "precompiled").glob("*/torch_extension.h.gch"))
+    assert len(gch) == 1 and read == [f"! {gch[0]}"], read
+    assert "precompiled" not in (build / "uses_torch.cpp.o.d").read_text()
+    assert compile("plain.cpp", "async_io") == [] and compile("uses_torch.cpp", "pin_memory") == []
+    subprocess.run([cxx, "uses_torch.cpp.o", "plain.cpp.o", "-shared", "-o", "async_io.so"], cwd=build, check=True,
+                   env={**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io"})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    with extension_compiler.precompiled_torch_header("async_io"):
+        assert os.environ["FABRIC_LAB_PRECOMPILE"] == "async_io"
+    assert "FABRIC_LAB_PRECOMPILE" not in os.environ and not (build / "precompiled").exists()

@@ -7,9 +7,9 @@ from conftest import REPO
 
 SCRIPTS = {"fabric_lenet", "fabric_gpt", "sample", "bench", "lab", "gpu_check", "report"}
 # every other file: one idea each (README's Layout), some also a command (datasets_local, text_corpus, hf_export, ...)
-MODULES = ["accounting", "checkpoints", "comm_counter", "cpu_probe", "datasets_local", "flags", "gpt_figures", "gpt_model",
-           "hardware", "hf_export", "layout", "lenet_figures", "nanogpt_reference", "perf_model", "ranks", "run_state",
-           "step_watch", "stops", "strategies", "text_corpus", "warm_python", "gelu_ext/__init__", "gelu_ext/__main__"]
+MODULES = ["accounting", "checkpoints", "comm_counter", "cpu_probe", "datasets_local", "extension_compiler", "flags",
+           "gpt_figures", "gpt_model", "hardware", "hf_export", "layout", "lenet_figures", "nanogpt_reference", "perf_model",
+           "ranks", "run_state", "step_watch", "stops", "strategies", "text_corpus", "warm_python", "gelu_ext/__init__", "gelu_ext/__main__"]
 
 
 def test_every_file_is_a_script_or_a_module_listed_here():

@@ -1,0 +1,122 @@
+"""The C++ compiler the venv's torch extensions build with (DeepSpeed's CPU ops, the C++ GELU): the system's `c++`
+without the debug information no run reads, and for the op named in $FABRIC_LAB_PRECOMPILE with torch/extension.h
+parsed once for all its sources rather than once for each.
+
+torch compiles with $CXX when set, else with the `c++` first on PATH: `install()` writes the venv's, which runs this
+file (standard library only: it starts once per source file). The command ninja records is the same `c++ ...` with
+or without it, so an op built either way is never rebuilt for the other.
+
+Why. DeepSpeed's builders pass `-O3 -g`: without -g async I/O and pinned memory took 623 s of CPU instead of 873 (an
+AVX2 EPYC). Async I/O is compiled at -O0 and 9 of its 12 sources include torch/extension.h, 17-18 s of CPU each, two
+thirds of it parsing (an AVX-512 BF16 EPYC): its headers precompiled once with the sources' own flags (31 s, 786 MB,
+deleted after the build) leave 6-7 s a source, and the NVMe ops' build 148 s of CPU instead of 199 (docs/tests.md).
+An op of two or three sources would lose: the precompiled header costs two sources' parse.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HEADER = "torch/extension.h"
+SOURCE_SUFFIXES = (".c", ".cc", ".cpp", ".cxx")
+INCLUDE = re.compile(r'\s*#\s*include\s*[<"]([^>"]+)[>"]')
+FOLDER = "precompiled"  # inside the op's build folder, where ninja runs the compiler
+
+
+def install() -> None:
+    """Write the venv's `c++` (a no-op outside a venv, or where it is this file's already)."""
+    venv_cxx = Path(sys.prefix) / "bin" / "c++"
+    if sys.prefix == sys.base_prefix:
+        return
+    others = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if Path(p) != venv_cxx.parent)
+    real = shutil.which("c++", path=others)
+    if not real:
+        return
+    python = Path(sys.prefix) / "bin" / "python"  # not sys.executable, which may be a warm_python client for a while
+    script = (f"#!/bin/sh\n# torch extensions built in this venv: {Path(__file__).name}\n"
+              f'exec "{python}" -I -S "{Path(__file__).resolve()}" "{real}" "$@"\n')
+    if not venv_cxx.exists() or venv_cxx.read_text() != script:
+        temporary = venv_cxx.with_suffix(f".{os.getpid()}")
+        temporary.write_text(script)
+        temporary.chmod(0o755)
+        temporary.replace(venv_cxx)
+
+
+@contextlib.contextmanager
+def precompiled_torch_header(op: str):
+    """Within: the op `op` (its extension name) compiles with torch/extension.h precompiled; deleted after."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    os.environ["FABRIC_LAB_PRECOMPILE"] = op
+    try:
+        yield
+    finally:
+        del os.environ["FABRIC_LAB_PRECOMPILE"]
+        shutil.rmtree(Path(_get_build_directory(op, verbose=False)) / FOLDER, ignore_errors=True)
+
+
+def compile_command(real: str, args: list[str]) -> list[str]:
+    """What runs for `c++ args`: the same without debug information, and the precompiled header where asked."""
+    args = [*args, "-g0"]
+    op = os.environ.get("FABRIC_LAB_PRECOMPILE")
+    sources = [Path(a) for a in args if a.endswith(SOURCE_SUFFIXES) and not a.startswith("-")]
+    if op and f"-DTORCH_EXTENSION_NAME={op}" in args and len(sources) == 1:  # a compile, not the link
+        include_dirs = [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
+        if includes_torch(sources[0], include_dirs, set()):  # the others would only pay for loading it
+            header = precompiled(real, flags_of(args))
+            if header:
+                args += ["-include", str(header)]
+    return [real, *args]
+
+
+def includes_torch(path: Path, include_dirs: list[Path], seen: set) -> bool:
+    """Whether `path` includes torch/extension.h, itself or through the headers it finds beside it or in -I folders."""
+    seen.add(path)
+    for line in path.read_text(errors="replace").splitlines():
+        name = INCLUDE.match(line)
+        if name and name[1] == HEADER:
+            return True
+        found = name and next((d / name[1] for d in (path.parent, *include_dirs) if (d / name[1]).is_file()), None)
+        if found and found not in seen and includes_torch(found, include_dirs, seen):
+            return True
+    return False
+
+
+def flags_of(args: list[str]) -> list[str]:
+    """The compile command's flags without its source, output and dependency file: what the header shares."""
+    flags, skip = [], False
+    for a in args:
+        if skip or a in ("-o", "-MF"):
+            skip = not skip
+        elif a not in ("-c", "-MMD") and not (a.endswith(SOURCE_SUFFIXES) and not a.startswith("-")):
+            flags.append(a)
+    return flags
+
+
+def precompiled(real: str, flags: list[str]) -> Path | None:
+    """torch/extension.h compiled once per set of flags (the first source builds it while the others wait); None
+    when it does not compile, and each source then parses the header itself."""
+    folder = Path(FOLDER).resolve() / hashlib.sha1("\0".join(flags).encode()).hexdigest()[:16]
+    header, gch = folder / "torch_extension.h", folder / "torch_extension.h.gch"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not gch.exists() and not (folder / "failed").exists():
+            header.write_text(f"#include <{HEADER}>\n")
+            partial = folder / "partial.gch"
+            if subprocess.run([real, *flags, "-x", "c++-header", str(header), "-o", str(partial)]).returncode == 0:
+                partial.replace(gch)  # a source never reads a half-written one
+            else:
+                (folder / "failed").touch()
+    return header if gch.exists() else None
+
+
+if __name__ == "__main__":
+    command = compile_command(sys.argv[1], sys.argv[2:])
+    os.execv(command[0], command)
