@@ -249,7 +249,8 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
     extension_compiler.install()
     cxx = os.path.join(sys.prefix, "bin", "c++")
     (tmp_path / "include" / "torch").mkdir(parents=True)
-    (tmp_path / "include" / "torch" / "extension.h").write_text("#pragma once\n#include <vector>\ninline int one() { return 1; }\n")
+    (tmp_path / "include" / "torch" / "extension.h").write_text("#pragma once\n#include <vector>\n"
+                                                                "inline int one() { return 1; }\n")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "op.h").write_text("#pragma once\n#include <cstdlib>\n#include <torch/extension.h>\n")
     (tmp_path / "lib" / "uses_torch.cpp").write_text('#include <string>\n#include "op.h"\nint two() { return one() + 1; }\n')
@@ -257,7 +258,7 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
     build = tmp_path / "build" / "async_io"
     build.mkdir(parents=True)
 
-    def compile(source, op):  # as torch's build.ninja runs it, -H to list what the compiler reads
+    def build_object(source, op):  # as torch's build.ninja runs it, -H to list what the compiler reads
         flags = ["-MMD", "-MF", f"{source}.o.d", f"-DTORCH_EXTENSION_NAME={op}", f"-I{tmp_path / 'lib'}", "-isystem",
                  str(tmp_path / "include"), "-fPIC", "-std=c++20", "-O0", "-H", "-c", str(tmp_path / "lib" / source),
                  "-o", f"{source}.o"]
@@ -266,11 +267,11 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
         assert done.returncode == 0 and (build / f"{source}.o").exists(), done.stderr[-2000:]
         return [line for line in done.stderr.splitlines() if line.startswith("! ")]  # -H: a precompiled header read
 
-    read = compile("uses_torch.cpp", "async_io")
+    read = build_object("uses_torch.cpp", "async_io")
     gch = list((build / "precompiled").glob("*/torch_extension.h.gch"))
     assert len(gch) == 1 and read == [f"! {gch[0]}"], read
     assert "precompiled" not in (build / "uses_torch.cpp.o.d").read_text()
-    assert compile("plain.cpp", "async_io") == [] and compile("uses_torch.cpp", "pin_memory") == []
+    assert build_object("plain.cpp", "async_io") == [] and build_object("uses_torch.cpp", "pin_memory") == []
     subprocess.run([cxx, "uses_torch.cpp.o", "plain.cpp.o", "-shared", "-o", "async_io.so"], cwd=build, check=True,
                    env={**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io"})
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
