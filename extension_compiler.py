@@ -68,10 +68,12 @@ def compile_command(real: str, args: list[str]) -> list[str]:
     sources = [Path(a) for a in args if a.endswith(SOURCE_SUFFIXES) and not a.startswith("-")]
     if op and f"-DTORCH_EXTENSION_NAME={op}" in args and len(sources) == 1:  # a compile, not the link
         include_dirs = [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
-        if includes_torch(sources[0], include_dirs, set()):  # the others would only pay for loading it
-            header = precompiled(real, flags_of(args))
-            if header:
-                args += ["-include", str(header)]
+        try:  # the sources without torch would only pay for loading it
+            header = precompiled(real, flags_of(args)) if includes_torch(sources[0], include_dirs, set()) else None
+        except OSError:  # never a reason for the compile itself to fail
+            header = None
+        if header:
+            args += ["-include", str(header)]
     return [real, *args]
 
 
@@ -79,10 +81,13 @@ def includes_torch(path: Path, include_dirs: list[Path], seen: set) -> bool:
     """Whether `path` includes torch/extension.h, itself or through the headers it finds beside it or in -I folders."""
     seen.add(path)
     for line in path.read_text(errors="replace").splitlines():
-        name = INCLUDE.match(line)
-        if name and name[1] == HEADER:
+        included = INCLUDE.match(line)
+        if not included:
+            continue
+        if included[1] == HEADER:
             return True
-        found = name and next((d / name[1] for d in (path.parent, *include_dirs) if (d / name[1]).is_file()), None)
+        candidates = [folder / included[1] for folder in (path.parent, *include_dirs)]
+        found = next((c.resolve() for c in candidates if c.is_file()), None)  # system headers are in neither
         if found and found not in seen and includes_torch(found, include_dirs, seen):
             return True
     return False
@@ -110,7 +115,8 @@ def precompiled(real: str, flags: list[str]) -> Path | None:
         if not gch.exists() and not (folder / "failed").exists():
             header.write_text(f"#include <{HEADER}>\n")
             partial = folder / "partial.gch"
-            if subprocess.run([real, *flags, "-x", "c++-header", str(header), "-o", str(partial)]).returncode == 0:
+            command = [real, *flags, "-x", "c++-header", str(header), "-o", str(partial)]
+            if subprocess.run(command, capture_output=True).returncode == 0:  # a failure costs time, not the build
                 partial.replace(gch)  # a source never reads a half-written one
             else:
                 (folder / "failed").touch()
