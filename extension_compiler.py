@@ -65,7 +65,7 @@ def compile_command(real: str, args: list[str]) -> list[str]:
     """What runs for `c++ args`: the same without debug information, and the precompiled header where asked."""
     args = [*args, "-g0"]
     op = os.environ.get("FABRIC_LAB_PRECOMPILE")
-    sources = [Path(a) for a in args if a.endswith(SOURCE_SUFFIXES) and not a.startswith("-")]
+    sources = [Path(a) for a in args if is_source(a)]
     if op and f"-DTORCH_EXTENSION_NAME={op}" in args and len(sources) == 1:  # a compile, not the link
         include_dirs = [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
         try:  # the sources without torch would only pay for loading it
@@ -93,13 +93,17 @@ def includes_torch(path: Path, include_dirs: list[Path], seen: set) -> bool:
     return False
 
 
+def is_source(arg: str) -> bool:
+    return arg.endswith(SOURCE_SUFFIXES) and not arg.startswith("-")
+
+
 def flags_of(args: list[str]) -> list[str]:
     """The compile command's flags without its source, output and dependency file: what the header shares."""
     flags, skip = [], False
     for a in args:
         if skip or a in ("-o", "-MF"):
             skip = not skip
-        elif a not in ("-c", "-MMD") and not (a.endswith(SOURCE_SUFFIXES) and not a.startswith("-")):
+        elif a not in ("-c", "-MMD") and not is_source(a):
             flags.append(a)
     return flags
 
