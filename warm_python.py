@@ -59,8 +59,9 @@ CLIENT = """#!{python} -S
 import json, os, select, signal, socket, struct, sys, time
 args = sys.argv[1:]
 # held until the command's pid is known and the handlers are in place: a signal sent as soon as the command prints
-# would otherwise find the default action (the client ended, the command left running)
-signal.pthread_sigmask(signal.SIG_BLOCK, {signals})
+# would otherwise find the default action (the client ended, the command left running). The mask it was started with
+# is the command's, as an exec would keep it (a rank Fabric starts holds the stop signals until it listens)
+started_with = signal.pthread_sigmask(signal.SIG_BLOCK, {signals})
 buf = b""
 def receive() -> None:  # unbuffered, so that select() below sees what is still to come
     global buf
@@ -93,14 +94,14 @@ try:
     fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) != conn.fileno() and os.path.exists(
         f"/proc/self/fd/{{fd}}"))
     body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader,
-                       "fds": fds}}).encode()
+                       "fds": fds, "mask": sorted(int(s) for s in started_with)}}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
     conn.sendall(body)
     pid = number()
 except (OSError, ValueError):
     pid = 0
 if pid <= 0:  # the server is gone or declined: a real interpreter, as if none of this existed
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signals})
+    signal.pthread_sigmask(signal.SIG_SETMASK, started_with)
     os.execv({python!r}, [{python!r}, *args])
 # Each signal's number is written to a pipe by the C-level handler, and forwarded from there: a Python handler alone
 # misses a signal that lands between its last check and a blocking read (the client then waits on a command that
@@ -194,11 +195,11 @@ def declines(argv: list[str], env: dict) -> bool:
 
 
 
-def run_child(argv: list[str], env: dict, cwd: str) -> None:
+def run_child(argv: list[str], env: dict, cwd: str, mask: list[int]) -> None:
     """In the forked child: become `python argv...` and never return."""
     import atexit
 
-    code = run_as_main(become_the_interpreter(argv, env, cwd), cwd)
+    code = run_as_main(become_the_interpreter(argv, env, cwd, mask), cwd)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -211,9 +212,10 @@ def run_child(argv: list[str], env: dict, cwd: str) -> None:
     os._exit(code & 0xFF)
 
 
-def become_the_interpreter(argv: list[str], env: dict, cwd: str) -> list[str]:
-    """What `python argv...` starts with: default signal handlers, the folder, the environment (with what the imports
-    set), the thread count, the standard streams; returns argv without its -u."""
+def become_the_interpreter(argv: list[str], env: dict, cwd: str, mask: list[int]) -> list[str]:
+    """What `python argv...` starts with: default signal handlers, the signals its starter held (`mask`), the
+    folder, the environment (with what the imports set), the thread count, the standard streams; returns argv without
+    its -u."""
     import io
 
     import torch
@@ -226,6 +228,7 @@ def become_the_interpreter(argv: list[str], env: dict, cwd: str) -> list[str]:
                 pass
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.chdir(cwd)
     imported = {k: v for k, v in os.environ.items() if k not in START_ENV}  # what the imports set, as they would have
     os.environ.clear()
@@ -390,7 +393,7 @@ def accept(listener: socket.socket, children: dict) -> None:
                 os.close(fd)
             if request["leader"]:
                 os.setpgid(0, 0)
-            run_child(request["argv"], request["env"], request["cwd"])
+            run_child(request["argv"], request["env"], request["cwd"], request["mask"])
         if request["leader"]:
             os.setpgid(pid, pid)  # here too, so that no signal can come before the child's own call
         conn.sendall(f"{pid}\n".encode())

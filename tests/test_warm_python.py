@@ -60,6 +60,19 @@ def test_exit_codes_errors_and_deaths_by_signal_are_the_commands():
     assert run("-m", "json.tool", "--help").stdout.startswith("usage: python -m json.tool")
 
 
+def test_a_command_holds_the_signals_it_was_started_holding():
+    """The signal mask survives an exec: a rank that Fabric starts holding the stop signals (ranks.launch) holds
+    them under the warm python too, until it listens, and a signal sent meanwhile waits for it."""
+    code = ("import os, signal; print(sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])));"
+            "signal.signal(signal.SIGUSR1, lambda *_: print('taken')); os.kill(os.getpid(), signal.SIGUSR1);"
+            "print('held'); signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])")
+    hold = lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR1})  # noqa: E731
+    warm = run("-c", code, preexec_fn=hold)
+    real = subprocess.run([warm_python.REAL, "-c", code], capture_output=True, text=True, preexec_fn=hold)
+    assert warm.stdout == real.stdout == f"{sorted([signal.SIGINT, signal.SIGUSR1])}\nheld\ntaken\n", warm.stderr
+    assert run("-c", "import signal; print(sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))").stdout == "[]\n"
+
+
 def test_signals_reach_the_command_and_sigkill_ends_it(tmp_path):
     # short sleeps: a handler runs between bytecodes, so a signal landing just before a long sleep's system call
     # waits for that sleep to end, in any Python (seen about once in 150 such commands beside other work)
