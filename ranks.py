@@ -101,13 +101,20 @@ def launch(fabric, num_nodes: int, timeout: float) -> None:
               f"longer with --node-timeout", file=sys.stderr, flush=True)
         os._exit(1)
 
+    from stops import STOP_SIGNALS
+
     os.environ.setdefault(STARTED_BY, launcher())  # before Fabric sets MASTER_ADDR here and starts the local ranks
     timer = threading.Timer(timeout, give_up)
     timer.daemon = True
     timer.start()
+    # The local ranks Fabric starts here are born holding the stop signals, and take them once they listen (stops.py):
+    # a Ctrl-C reaches the terminal's whole group, and a rank still importing would end in a traceback, Fabric then
+    # killing the others. Here they wait out the rendezvous, as a signal's stop would (it acts at a step boundary).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         fabric.launch()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         timer.cancel()
     if fabric.world_size > 1:  # every rank, so that a log shows where each one runs (and its pid, for a kill)
         environment_name = type(getattr(fabric.strategy, "cluster_environment", None)).__name__

@@ -15,7 +15,9 @@ What each signal does (the handlers cover the whole run, from set-up to the reco
 
 Each signal is acknowledged at once, in one line on stderr ("[rank: N] " before it once the ranks are a group). A
 signal that arrives while the run evaluates or saves is acted on as soon as that ends: the checkpoint just written is
-the stop's, with no further step. One that arrives after the last step lets the record and export finish.
+the stop's, with no further step. One that arrives after the last step lets the record and export finish. The ranks
+Fabric starts hold these signals from their start until they listen (ranks.launch): a Ctrl-C while one still imports
+stops the run at its first step boundary too.
 """
 
 import os
@@ -42,6 +44,8 @@ class StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM, self.requeue_signal):
             if sig is not None and sig not in self.previous:
                 self.previous[sig] = signal.signal(sig, self._handle)
+        # a rank that Fabric started was born holding them (ranks.launch): what came while it imported is taken now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
     def close(self) -> None:

@@ -252,6 +252,30 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_ctrl_c_while_a_rank_still_imports_stops_the_run_at_its_first_step(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group, rank 1 included, which Fabric has just started and which is
+    still importing torch (a real interpreter: seconds): it was born holding the stop signals (ranks.launch) and takes
+    them once it listens, so the run stops as the signal table says, at its first step boundary with a checkpoint and
+    exit 130, both ranks acknowledging, instead of rank 1's KeyboardInterrupt traceback and Fabric killing rank 0."""
+    import psutil
+
+    args = ["fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+            "--micro-batch-size", "1", "--num-samples", "2000", "--out-dir", tmp_path, "--run-name", "ctrl-c"]
+    proc = subprocess.Popen([warm_python.REAL, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    deadline = time.time() + 120
+    while not [c for c in psutil.Process(proc.pid).children() if "fabric_gpt.py" in " ".join(c.cmdline())]:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)  # as the terminal sends Ctrl-C: to every process of the group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err and "terminating all other processes" not in err, err[-3000:]
+    assert err.count("SIGINT received: stopping at the next step boundary with a checkpoint") == 2, err[-3000:]
+    assert "SIGINT received: saved" in out and "--resume auto --run-name ctrl-c" in out
+    assert sorted(p.name for p in (tmp_path / "ctrl-c" / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_run_with_one_message(tmp_path):
     """SIGKILL of rank 1 (as the OOM killer sends) mid-run: rank 0 stops within seconds and says which rank died and
     how, with the last complete checkpoint and the resume command, instead of a collective's traceback. (That such a
