@@ -37,10 +37,11 @@ class StopRequest:
 
     def __init__(self):
         self.signal_name, self.requeue, self.repeats, self.previous = None, False, 0, {}
-        self.requeue_signal = None
+        self.requeue_signal, self.pid = None, None
 
     def listen(self, requeue_signal: str = "USR1") -> "StopRequest":
         self.requeue_signal = None if requeue_signal == "none" else getattr(signal, "SIG" + requeue_signal)
+        self.pid = os.getpid()
         for sig in (signal.SIGINT, signal.SIGTERM, self.requeue_signal):
             if sig is not None and sig not in self.previous:
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -56,6 +57,8 @@ class StopRequest:
         self.previous = {}
 
     def _handle(self, signum, frame):
+        if os.getpid() != self.pid:  # a process forked from the rank (a DataLoader worker) shares its group and so
+            return  # its signals, and its copy of this handler: the rank stops the run, the worker with it
         name = signal.Signals(signum).name
         if self.signal_name is not None:  # already stopping
             if signum == signal.SIGINT:  # a person pressing Ctrl-C again: stop now

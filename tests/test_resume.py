@@ -48,10 +48,13 @@ def reference(mnist_dir, tmp_path_factory):
 @pytest.mark.slow  # a run in a process of its own
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGUSR1])
 def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
-    """Killed, stopped with Ctrl-C, or (in a SLURM job) asked to requeue: the run resumes to the uninterrupted one."""
+    """Killed, stopped with Ctrl-C, or (in a SLURM job) asked to requeue: the run resumes to the uninterrupted one.
+    The Ctrl-C run reads through a DataLoader worker, which the terminal's signal reaches too: one acknowledgement,
+    the rank's, and the loader's batches resume as exactly as the in-memory ones."""
     from test_gpt import slurm_job
 
-    args = [*ARGS, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "cut"]
+    loader = ["--data", "loader", "--num-workers", "1"] if sig == signal.SIGINT else []
+    args = [*ARGS, *loader, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "cut"]
     proc = start(args, slurm_job(tmp_path) if sig == signal.SIGUSR1 else None)
     wait_for_checkpoint(tmp_path / "cut", proc)
     os.killpg(proc.pid, sig)
@@ -62,6 +65,7 @@ def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
     elif sig == signal.SIGINT:  # a clean stop: checkpoint first, then exit 130 and say how to resume
         assert proc.returncode == 128 + signal.SIGINT, output
         assert "SIGINT received: saved" in output and "--resume auto" in output
+        assert output.count("SIGINT received: stopping at the next step boundary") == 1, output
     else:
         assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "cut" / "record.json").exists(), "the run must have been cut before its end"
