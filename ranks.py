@@ -109,7 +109,8 @@ def launch(fabric, num_nodes: int, timeout: float) -> None:
     timer.start()
     # The local ranks Fabric starts here are born holding the stop signals, and take them once they listen (stops.py):
     # a Ctrl-C reaches the terminal's whole group, and a rank still importing would end in a traceback, Fabric then
-    # killing the others. Here they wait out the rendezvous, as a signal's stop would (it acts at a step boundary).
+    # killing the others. In this process they wait out the rendezvous, where a stop could not act anyway (it acts at
+    # a step boundary).
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         fabric.launch()
