@@ -30,7 +30,7 @@ from flags import ConfigError
 from hardware import cpu_name
 from ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
 from step_watch import NonFiniteLoss
-from stops import StopRequest, Stopped, requeue_slurm_job
+from stops import StopRequest, Stopped, StoppedAtOnce, requeue_slurm_job, say
 
 
 def environment() -> dict:
@@ -90,6 +90,11 @@ def exits(*errors):
                  f"output above, and resume from the last complete checkpoint with --resume auto")
     except Stopped as e:
         sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:  # Ctrl-C twice, or once before the handlers listen (set-up): no traceback
+        how = "again: stopped at once, without a save" if isinstance(e, StoppedAtOnce) else "during set-up: stopped"
+        say(f"SIGINT received {how}; every complete checkpoint of this run stays (saves are atomic), and --resume auto "
+            "continues from the newest")
+        sys.exit(128 + signal.SIGINT)
     finally:
         stop.close()
 

@@ -3,8 +3,8 @@ requeue, the job is requeued so that it continues from it.
 
 What each signal does (the handlers cover the whole run, from set-up to the record and --export):
 
-    SIGINT (Ctrl-C)       save at the next step boundary, exit 130; a second Ctrl-C stops at once (the last
-                          complete checkpoint stays: every save is atomic)
+    SIGINT (Ctrl-C)       save at the next step boundary, exit 130; a second Ctrl-C stops at once, in one line (the
+                          last complete checkpoint stays: every save is atomic)
     SIGTERM               save at the next step boundary, exit 143 (SLURM's preemption and time limit send it, then
                           SIGKILL after the grace time); further SIGTERMs are ignored: launchers forward it (make,
                           torchrun's agent), so a process often gets two, and the second must not cut the save
@@ -20,6 +20,7 @@ Fabric starts hold these signals from their start until they listen (ranks.launc
 stops the run at its first step boundary too.
 """
 
+import io
 import os
 import shutil
 import signal
@@ -62,7 +63,7 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signal_name is not None:  # already stopping
             if signum == signal.SIGINT:  # a person pressing Ctrl-C again: stop now
-                raise KeyboardInterrupt
+                raise StoppedAtOnce
             self.repeats += 1
             if self.repeats == 1:
                 say(f"{name} received again: ignored, the stop for {self.signal_name} is under way "
@@ -100,8 +101,15 @@ def say(line: str) -> None:
         line = f"[rank: {dist.get_rank()}] {line}"
     try:
         os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except io.UnsupportedOperation:  # a stream without a descriptor (main() called in a notebook, or a test's capture)
+        sys.stderr.write(line + "\n")
     except OSError:
         pass
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: the run ends where it is, without a save (run_state.exits says so in one line); a save it
+    cuts short stays a `.partial` folder, which no resume reads."""
 
 
 class Stopped(Exception):

@@ -223,6 +223,35 @@ def test_resumed_on_another_process_count(mnist_dir, tmp_path):
     assert moved["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
 
 
+def test_ctrl_c_twice_during_a_save_ends_the_run_at_once_in_one_line(tmp_path, monkeypatch):
+    """Ctrl-C while step 4's checkpoint is written, then Ctrl-C again before it is done: the run ends there, exit 130,
+    with one line saying so, no traceback; step 2's checkpoint stays whole, step 4's half-written save stays a
+    `.partial` folder, and --resume auto continues from step 2."""
+    import checkpoints
+
+    write = checkpoints.Checkpoints._write
+
+    def interrupted_at_step_4(self, fabric, folder, state):
+        if "step-00000004" in str(folder):
+            for _ in range(2):  # as a person pressing Ctrl-C twice: each handled as it comes
+                os.kill(os.getpid(), signal.SIGINT)
+        return write(self, fabric, folder, state)
+
+    args = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
+            "--checkpoint-every", "2", "--out-dir", tmp_path, "--run-name", "twice"]
+    monkeypatch.setattr(checkpoints.Checkpoints, "_write", interrupted_at_step_4)
+    proc = run_in_process("fabric_gpt.py", *args, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("SIGINT received again: stopped at once, without a save") and "--resume auto" in lines[-1]
+    assert lines[-2].startswith("SIGINT received: stopping at the next step boundary"), lines[-2:]
+    folder = tmp_path / "twice" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004.partial"]
+    monkeypatch.undo()
+    resumed = run_in_process("fabric_gpt.py", *args, "--resume", "auto")
+    assert f"resumed from {folder / 'step-00000002'}" in resumed.stdout and read_summary(tmp_path / "twice")["steps"] == 8
+
+
 def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
     """A checkpoint that meets ENOSPC (injected into the write of step 4): one line naming the folder, the bytes,
     the last complete checkpoint and the resume command; exit 1; no partial folder; the run resumes from step 2."""
