@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -163,6 +164,8 @@ def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProces
         sys.modules["torch._dynamo"].utils.counters.clear()
     out, err, code = io.StringIO(), io.StringIO(), 0
     environ = dict(os.environ)
+    # a run stopped by a signal keeps its handlers to its end (stops.py), which a process's end takes with it
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             module.main([str(a) for a in args])
@@ -177,6 +180,8 @@ def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProces
                 torch.distributed.destroy_process_group()
             os.environ.clear()
             os.environ.update(environ)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     proc = subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"{script} {args} exited {code}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
