@@ -38,7 +38,7 @@ class StopRequest:
 
     def __init__(self):
         self.signal_name, self.requeue, self.repeats, self.previous = None, False, 0, {}
-        self.requeue_signal, self.pid = None, None
+        self.requeue_signal, self.pid, self.heard = None, None, False  # heard: a signal reached this process
 
     def listen(self, requeue_signal: str = "USR1") -> "StopRequest":
         self.requeue_signal = None if requeue_signal == "none" else getattr(signal, "SIG" + requeue_signal)
@@ -61,7 +61,9 @@ class StopRequest:
         if os.getpid() != self.pid:  # a process forked from the rank (a DataLoader worker) shares its group and so
             return  # its signals, and its copy of this handler: the rank stops the run, the worker with it
         name = signal.Signals(signum).name
-        if self.signal_name is not None:  # already stopping
+        # already stopping on a signal of its own; a stop begun by another rank (requested()) can reach this rank
+        # before the signal sent to it does, which is then its first, not a repeat (one Ctrl-C must not stop it at once)
+        if self.signal_name is not None and self.heard:
             if signum == signal.SIGINT:  # a person pressing Ctrl-C again: stop now
                 raise StoppedAtOnce
             self.repeats += 1
@@ -75,7 +77,7 @@ class StopRequest:
                     "is not in one (SLURM_JOB_ID is not set)")
                 return
             self.requeue = True
-        self.signal_name = name
+        self.heard, self.signal_name = True, self.signal_name or name  # another rank's stop keeps its name (exit code)
         then = "a requeue of the SLURM job" if self.requeue else "exit"
         again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
         say(f"{name} received: stopping at the next step boundary with a checkpoint, then {then}{again}")

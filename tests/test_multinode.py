@@ -201,6 +201,33 @@ def test_torchrun_as_gpt_sbatch_documents_it_hands_slurms_signals_on(tmp_path):
     assert json.loads((tmp_path / "tr" / "record.json").read_text())["steps"] == 40
 
 
+ANOTHER_RANK_FIRST = """
+import os, signal, stops
+stop = stops.StopRequest().listen("USR1")
+stop.signal_name = "SIGINT"  # what requested() records when the step's all-reduce says another rank was signalled
+os.kill(os.getpid(), signal.SIGINT)  # then this rank's own Ctrl-C, later (a loaded machine): its first
+print("still running", stop.signal_name, flush=True)
+os.kill(os.getpid(), signal.SIGINT)  # and a second: at once
+"""
+
+
+def test_a_ranks_own_signal_after_the_stop_another_rank_began_is_its_first():
+    """One Ctrl-C reaches every rank, but the step's all-reduce can bring rank 0's stop to rank 1 before rank 1's own
+    signal lands: that signal is then rank 1's first, acknowledged as such and saved at the boundary, not taken for a
+    second Ctrl-C (which stops at once, without a save), nor said to be "received again"."""
+    import signal
+    import subprocess
+
+    from conftest import REPO
+
+    proc = subprocess.run([warm_python.executable(), "-c", ANOTHER_RANK_FIRST], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout == "still running SIGINT\n", proc.stdout + proc.stderr
+    assert proc.stderr.count("SIGINT received: stopping at the next step boundary") == 1, proc.stderr
+    assert "received again" not in proc.stderr, proc.stderr
+    assert proc.returncode == -signal.SIGINT and "StoppedAtOnce" in proc.stderr, proc.stderr
+
+
 FLOODED_REQUEUES = """
 import os, signal, sys
 import stops
