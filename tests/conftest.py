@@ -164,8 +164,10 @@ def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProces
         sys.modules["torch._dynamo"].utils.counters.clear()
     out, err, code = io.StringIO(), io.StringIO(), 0
     environ = dict(os.environ)
+    from stops import STOP_SIGNALS
+
     # a run stopped by a signal keeps its handlers to its end (stops.py), which a process's end takes with it
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             module.main([str(a) for a in args])
