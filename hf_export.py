@@ -8,9 +8,8 @@ runs/<run>/hf/ holds config.json, generation_config.json and model.safetensors (
 2 GB, as save_pretrained writes it) in the run's training dtype (--dtype), and a text run's tokenizer saved by
 transformers' PreTrainedTokenizerFast (<|endoftext|> its eos and pad token, the run's sequence its model_max_length);
 `AutoModelForCausalLM.from_pretrained("runs/<run>/hf")`, `AutoTokenizer` and `pipeline("text-generation")` load it.
-Sharded
-checkpoints (ZeRO, FSDP2, tensor and pipeline parallel) are gathered into one ordinary state dict in one process
-(strategies.export_checkpoint); the weights are written from that dict itself, never copied into a second model.
+Sharded checkpoints (ZeRO, FSDP2, tensor and pipeline parallel) are gathered into one ordinary state dict in one
+process (strategies.export_checkpoint); the weights are written from that dict itself, never copied into a second model.
 """
 
 import contextlib
