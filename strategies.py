@@ -13,8 +13,10 @@ device mesh and saves distributed checkpoints; the functions here decide what ea
 """
 
 import argparse
+import contextlib
 import ctypes
 import functools
+import io
 import os
 import re
 import subprocess
@@ -240,7 +242,11 @@ def cpu_deepspeed_strategy(config: dict):
         def _setup_distributed(self) -> None:  # the parent's, less the GPU-index check CPU devices cannot pass
             reset_seed()
             self._set_world_ranks()
-            self._init_deepspeed_distributed()
+            with contextlib.redirect_stdout(io.StringIO()) as said:
+                self._init_deepspeed_distributed()
+            # every rank printed that DeepSpeed's shared-memory op was "built successfully" (make setup built it;
+            # the rank only loaded it): that line goes, anything else DeepSpeed said stays
+            print("".join(l for l in said.getvalue().splitlines(True) if "built successfully" not in l), end="")
             if not self._config_initialized:
                 self._format_config()
                 self._config_initialized = True
