@@ -13,7 +13,6 @@ device mesh and saves distributed checkpoints; the functions here decide what ea
 """
 
 import argparse
-import contextlib
 import ctypes
 import functools
 import io
@@ -22,7 +21,7 @@ import re
 import subprocess
 import sys
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -242,11 +241,14 @@ def cpu_deepspeed_strategy(config: dict):
         def _setup_distributed(self) -> None:  # the parent's, less the GPU-index check CPU devices cannot pass
             reset_seed()
             self._set_world_ranks()
-            with contextlib.redirect_stdout(io.StringIO()) as said:
-                self._init_deepspeed_distributed()
             # every rank printed that DeepSpeed's shared-memory op was "built successfully" (make setup built it;
-            # the rank only loaded it): that line goes, anything else DeepSpeed said stays
-            print("".join(l for l in said.getvalue().splitlines(True) if "built successfully" not in l), end="")
+            # the rank only loaded it): that line goes, anything else DeepSpeed said stays, also when it fails
+            said = io.StringIO()
+            try:
+                with redirect_stdout(said):
+                    self._init_deepspeed_distributed()
+            finally:
+                print("".join(l for l in said.getvalue().splitlines(True) if "built successfully" not in l), end="")
             if not self._config_initialized:
                 self._format_config()
                 self._config_initialized = True
