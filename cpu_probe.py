@@ -315,8 +315,11 @@ def fixed_step(cfg, allow_measure: bool = True) -> float | None:
     """Seconds of one optimizer step of cfg's strategy on the minimal model, run here as its own job (cached).
     NVMe offload is measured as offload to memory (its drive traffic is a bandwidth term)."""
     argv = minimal_flags(cfg, minimal_heads(cfg))
+    # keyed by the threads its ranks get: before ranks.share_the_cores, rank 1 of fsdp, tp and pp kept every core, and
+    # those entries (fsdp, tp, pp 13-62% too slow) are not read again
+    settings = {"argv": argv, "rank_threads": rank_threads(cfg.devices)}
     try:
-        return cached("fixed", {"argv": argv}, lambda: _run_minimal(argv), allow_measure)
+        return cached("fixed", settings, lambda: _run_minimal(argv), allow_measure)
     except RuntimeError as e:  # the plan goes on without it, as a lower bound, and says why
         print(f"warning: {e}; the CPU time plan is compute alone, a lower bound", file=sys.stderr)
         return None

@@ -84,8 +84,8 @@ def shared_dir(tmp_path_factory, name: str, make) -> Path:
 def run_script(*args, timeout=600, check=True, env=None, cold=False) -> subprocess.CompletedProcess:
     """Run a repository script in a process of its own, as `python script ...`: forked warm (warm_python.py),
     or with `cold` a real interpreter, for a test that measures the process itself (a fork's resident memory counts
-    the pages of the server it came from, as they are touched)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    the pages of the server it came from, as they are touched). A variable given as None is left out of its env."""
+    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if v is not None}
     python = warm_python.REAL if cold else warm_python.executable()
     proc = subprocess.run([python, *map(str, args)], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
