@@ -152,11 +152,11 @@ def test_one_rule_says_what_launched_a_process(monkeypatch, env, started_by, sev
 def test_a_run_fabric_launched_records_fabric_as_its_launcher_and_shares_the_cores(tmp_path):
     """Fabric sets MASTER_ADDR and NODE_RANK in rank 0 too: the record still says Fabric started the run. Without
     OMP_NUM_THREADS each rank computes with an equal share of the cores: under ModelParallelStrategy Lightning gave
-    rank 0 its share only after starting rank 1, which kept every core (ranks.share_the_cores). Real interpreters, as
-    a user starts them: a process forked from the warm python computes with one thread whatever it is given."""
+    rank 0 its share only after starting rank 1, which kept every core (ranks.share_the_cores; under DDPStrategy its
+    launcher, in every rank, gives each its share)."""
     proc = run_script("fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--devices", "2", "--strategy", "tp",
                       "--steps", "1", "--num-samples", "8", "--out-dir", tmp_path, "--run-name", "two",
-                      env={"OMP_NUM_THREADS": None}, cold=True)
+                      env={"OMP_NUM_THREADS": None})
     record = json.loads((tmp_path / "two" / "record.json").read_text())
     assert record["env"]["launcher"] == ranks.FABRIC
     threads = re.findall(r"^rank [01]/2: .*, (\d+) thread\(s\), LightningEnvironment", proc.stdout, re.M)
