@@ -297,10 +297,12 @@ def test_ctrl_c_while_a_rank_still_imports_stops_the_run_at_its_first_step(tmp_p
             "--micro-batch-size", "1", "--num-samples", "2000", "--out-dir", tmp_path, "--run-name", "ctrl-c"]
     proc = subprocess.Popen([warm_python.REAL, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    def rank_1_started() -> bool:  # a short-lived helper of rank 0 may end between the listing and its cmdline
+    def rank_1_started() -> bool:  # by its own environment: a helper rank 0 forks (ldconfig, ...) has rank 0's
+        # command line until it execs, and a SIGINT then would reach rank 0 before it listens; a helper may also end
+        # between the listing and the reading
         for child in psutil.Process(proc.pid).children():
             with contextlib.suppress(psutil.Error):
-                if "fabric_gpt.py" in " ".join(child.cmdline()):
+                if child.environ().get("LOCAL_RANK") == "1" and "fabric_gpt.py" in " ".join(child.cmdline()):
                     return True
         return False
 
