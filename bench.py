@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps
 from checkpoints import read_record, write_json_atomic
 from layout import layout
+from ranks import cores_per_rank
 import warm_python
 
 REPO = Path(__file__).resolve().parent
@@ -43,7 +44,7 @@ def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tup
             command = [warm_python.at_hand() or sys.executable, "-m",
                        "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "--log-dir", logs,
                        "--redirects", "2", "--no-python", sys.executable, "-u", *command[1:]]
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+            env.setdefault("OMP_NUM_THREADS", str(cores_per_rank(ranks)))
         proc = subprocess.run(command, cwd=REPO, text=True, capture_output=True, env=env)
         # the first rank's `error: ...`, else rank 0's last line: torchrun stops the other ranks once one has failed,
         # perhaps before rank 0 said the same

@@ -36,6 +36,7 @@ import torch
 from checkpoints import write_json_atomic
 from hardware import cpu_name, cpu_units, isa_caps, uses_gpu
 from layout import layout
+from ranks import any_rank, cores_per_rank
 
 MINIMAL = {"n_embd_per_head": 8, "seq_len": 8, "vocab_size": 16, "micro_batch_size": 1}
 FIXED_STEPS, FIXED_WARMUP = 10, 4
@@ -118,9 +119,9 @@ def cached_unlocked(kind: str, settings: dict, measure):
 
 
 def rank_threads(devices: int) -> int:
-    """The intra-op threads one rank gets: all of them alone, an equal share when Fabric starts several (as
-    Lightning sets them for CPU processes), OMP_NUM_THREADS when set."""
-    return int(os.environ.get("OMP_NUM_THREADS") or 0) or (max(1, (os.cpu_count() or 1) // devices) if devices > 1
+    """The intra-op threads one rank gets: all of them alone, an equal share when Fabric starts several
+    (ranks.share_the_cores), OMP_NUM_THREADS when set."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or (cores_per_rank(devices) if devices > 1
                                                            else torch.get_num_threads())
 
 
@@ -449,7 +450,6 @@ def probe_line(probe: dict) -> str:
 def agree_on_precision(fabric, precision: str, probe: dict | None) -> None:
     """Ranks on different CPUs, each with its own --precision auto probe, must still compute in one precision."""
     from flags import ConfigError
-    from ranks import any_rank
 
     (differ,) = any_rank(fabric, fabric.broadcast(precision) != precision)
     if differ:

@@ -84,6 +84,11 @@ def check_launcher(num_nodes: int, devices: int, script: str) -> None:
             f"MASTER_PORT=29500 NODE_RANK=<0..{num_nodes - 1}> on each node")
 
 
+def cores_per_rank(processes: int) -> int:
+    """The intra-op threads each of `processes` ranks on this machine gets: an equal share of the cores."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 def share_the_cores(fabric) -> None:
     """Where Fabric starts this machine's ranks, each computes with an equal share of the cores. Lightning sets the
     share in its launcher, which under ModelParallelStrategy (fsdp, tp, fsdp_tp, pp) exists in rank 0 alone and sets
@@ -96,7 +101,7 @@ def share_the_cores(fabric) -> None:
     environment = getattr(fabric.strategy, "cluster_environment", None)
     if local < 2 or "OMP_NUM_THREADS" in os.environ or environment is None or environment.creates_processes_externally:
         return
-    threads = max(1, (os.cpu_count() or 1) // local)
+    threads = cores_per_rank(local)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
