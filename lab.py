@@ -44,14 +44,16 @@ def cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
+def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data/text") -> list[Stage]:
     gpus = cuda_devices()
     unusable = cuda_mismatch()
     if unusable:
         print(f"warning: {unusable}; until then the lab is sized for the CPU", file=sys.stderr)
     accelerator = "cuda" if gpus else "cpu"
     cores = os.cpu_count() or 1
-    stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte"))]
+    # both data sets first: offline without a mirror, the lab stops in its first seconds, not after the LeNet-5 runs
+    stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte")),
+              Stage("text", ["text_corpus.py", "--data-dir", text_dir], str(REPO / text_dir / "shakespeare.txt"))]
     from gelu_ext import ACTIVATIONS  # relu, LeNet-5's default, first
 
     def lenet(act: str) -> Stage:
@@ -68,6 +70,14 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str) -> list[Stage]:
     stages += [Stage("bench-gelu", ["-m", "gelu_ext", "bench", "--repeats", "7", "--out", runs / "gelu"], "gelu/bench.json"),
                Stage("bench-lenet", ["bench.py", "--out-dir", runs, "--keep", "lenet", "--seeds", "1", "--default-run",
                                      runs / f"lab-lenet-{ACTIVATIONS[0]}"], "bench-lenet/bench.json")]
+    # GPT-2 on Shakespeare with nanoGPT's CPU recipe (docs/text.md): the report's curves, a model to sample from
+    from bench import NANOGPT_RECIPE
+
+    text = "lab-gpt-text"
+    stages.append(Stage("gpt-text", ["fabric_gpt.py", *NANOGPT_RECIPE, "--dataset", "text", "--data-dir", text_dir,
+                                     "--steps", 2000, "--eval-every", 250, "--log-every", 10, "--checkpoint-every", 500,
+                                     "--accelerator", accelerator, "--run-name", text, "--out-dir", runs],
+                        f"{text}/{RECORD}", resumable_run=text))
     # sized to the hardware: the tiny model on CPU processes, the course's 1.6B model on the visible GPUs
     model, devices = ("1.6b", gpus) if gpus else ("tiny", min(2, cores))
     gpt = ["bench.py", "--out-dir", runs, "--keep", "gpt", "--model", model, "--devices", devices, "--accelerator", accelerator]
@@ -107,7 +117,7 @@ def last_line(log: Path) -> str:
 
 def lab(args) -> int:
     runs = Path(args.runs)
-    stages = lab_stages(runs, args.data_dir, args.report_dir)
+    stages = lab_stages(runs, args.data_dir, args.report_dir, args.text_dir)
     if args.stages:
         unknown = set(args.stages.split(",")) - {s.name for s in stages}
         if unknown:
@@ -169,13 +179,17 @@ def lab(args) -> int:
 # EPYC's times scaled to the AVX-512 one said 12 min for its 7.8); once a lab has timed its stages here
 # (runs/lab/timings.json), those times.
 REFERENCES = {
-    "AMD EPYC, 2 cores (AVX2)": (129e9, {  # 2026-11-26; bench-gpt: 20 cases 451 s (CPU Adam built in the first
-        # ZeRO-Offload one), probes 106 s
-        "data": 9, "lenet-relu": 72, "gelu-check": 2, "lenet-gelu_torch": 110, "lenet-gelu_py": 161, "lenet-gelu_cpp": 103,
-        "bench-gelu": 49, "bench-lenet": 54, "bench-gpt": 557, "gpu-check": 0, "report": 3}),
-    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27 13:39, at 0d3b03c, 416 s in all
-        "data": 4, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65, "lenet-gelu_cpp": 36,
-        "bench-gelu": 22, "bench-lenet": 16, "bench-gpt": 207, "gpu-check": 0, "report": 1}),
+    "AMD EPYC, 2 cores (AVX2)": (129e9, {  # 2026-11-28 03:59, a fresh lab at 1c00f7b, 800 s in all; text and gpt-text
+        # 04:40 (lab.py --stages text,gpt-text); bench-gpt: CPU Adam built in its first ZeRO-Offload case
+        "data": 8, "text": 8, "lenet-relu": 69, "gelu-check": 2, "lenet-gelu_torch": 88, "lenet-gelu_py": 129,
+        "lenet-gelu_cpp": 90, "bench-gelu": 38, "bench-lenet": 37, "gpt-text": 122, "bench-gpt": 336, "gpu-check": 0,
+        "report": 2}),
+    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27 13:39, at 0d3b03c, 416 s in all; text
+        # and gpt-text not timed there yet: the AVX2 EPYC's, gpt-text's scaled by the recipe's float32 tokens/s
+        # (17,104 there in `make bench-text`, docs/text.md, against 13,499 in the AVX2 EPYC's stage)
+        "data": 4, "text": 8, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65,
+        "lenet-gelu_cpp": 36, "bench-gelu": 22, "bench-lenet": 16, "gpt-text": 96, "bench-gpt": 207, "gpu-check": 0,
+        "report": 1}),
 }
 TIMINGS = "lab/timings.json"  # under --runs
 
@@ -255,6 +269,8 @@ def build_parser():
                         "(default: all)")
     parser.add_argument("--data-dir", default="data/mnist", type=Folder(), help="folder for the MNIST files "
                         "(default: data/mnist)")
+    parser.add_argument("--text-dir", default="data/text", type=Folder(), help="folder for the Shakespeare corpus "
+                        "(default: data/text)")
     parser.add_argument("--report-dir", default="report", type=Folder(), help="folder for REPORT.md and its figures "
                         "(default: report)")
     return parser

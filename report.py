@@ -326,9 +326,8 @@ def text_runs(runs: Path) -> list[Path]:
 def section_text(rep: Report, runs: Path, chosen: Path | None) -> None:
     run_dir = chosen or newest(text_runs(runs) if runs.is_dir() else [])
     if run_dir is None:
-        rep.note("no GPT-2 run on text yet. Produce one with `make gpt DATASET=text STEPS=2000 ARGS='--n-embd 128 "
-                 "--n-layer 4 --n-head 4 --seq-len 64 --micro-batch-size 12 --lr 1e-3 --warmup-steps 100 --beta2 0.99'` "
-                 "(nanoGPT's recipe, docs/text.md).")
+        rep.note("no GPT-2 run on text yet. Produce one with `make lab STAGES=text,gpt-text,report` (nanoGPT's CPU "
+                 "recipe, 2000 steps: docs/text.md) or `make gpt DATASET=text`.")
         return
     r = load_json(run_dir / RECORD)
     if r is None or "text" not in r:

@@ -36,6 +36,35 @@ def test_without_mnist_the_first_stage_fails_with_the_datasets_message(tmp_path,
     assert [p.name for p in (tmp_path / "runs" / "lab" / "logs").iterdir()] == ["data.log"]  # nothing else started
 
 
+def test_without_the_corpus_the_second_stage_fails_and_gpt_text_trains_nanogpts_recipe(mnist_dir, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The text corpus is fetched right after MNIST, so an offline lab without TEXT_MIRROR stops in its first seconds,
+    not after the LeNet-5 runs; gpt-text then trains nanoGPT's CPU recipe (the one `bench.py text` races) on it."""
+    empty = tmp_path / "mirror"
+    empty.mkdir()
+    monkeypatch.setenv("TEXT_MIRROR", str(empty))
+    code, out = run_lab(capsys, "--runs", tmp_path / "runs", "--data-dir", mnist_dir, "--text-dir", tmp_path / "text",
+                        "--report-dir", tmp_path / "report")
+    failed = out.strip().splitlines()[-2]
+    assert code == 1 and "[2/" in failed and "text" in failed and "FAILED" in failed and "TEXT_MIRROR" in failed, out
+    assert "data             done earlier" in out  # MNIST was there
+    assert [p.name for p in (tmp_path / "runs" / "lab" / "logs").iterdir()] == ["text.log"]  # nothing else started
+    import bench
+    import fabric_gpt as gpt
+
+    stages = lab.lab_stages(tmp_path / "runs", mnist_dir, "report", str(tmp_path / "text"))
+    names = [s.name for s in stages]
+    assert names[:2] == ["data", "text"] and names.index("gpt-text") < names.index("bench-gpt")
+    stage = stages[names.index("gpt-text")]
+    ours, recipe = gpt.parse_args([str(a) for a in stage.args[1:]]), gpt.parse_args(bench.NANOGPT_RECIPE)
+    changed = {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(recipe, f.name)}
+    assert changed - {"accelerator"} == {"data_dir", "steps", "eval_every", "log_every", "checkpoint_every", "run_name",
+                                         "out_dir"}, changed
+    assert ours.accelerator == ("cuda" if lab.cuda_devices() else "cpu")  # the recipe's CPU, or the GPU there is
+    assert (ours.data_dir, ours.steps, ours.dataset) == (str(tmp_path / "text"), 2000, "text")  # nanoGPT's max_iters
+    assert stage.resumable_run == ours.run_name and stage.result == f"{ours.run_name}/record.json"
+
+
 @pytest.mark.slow  # a run in a process of its own
 def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path, capsys):
     runs, report = tmp_path / "runs", tmp_path / "report"
@@ -76,7 +105,7 @@ def test_unknown_stage_is_refused_with_the_list(capsys):
     with pytest.raises(SystemExit) as exit_:
         lab.main(["--stages", "lenet-swish"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith("error: --stages must be a comma-separated list of data, lenet-relu")
+    assert exit_.value.code == 2 and err.startswith("error: --stages must be a comma-separated list of data, text, lenet-relu")
     assert "bench-gpt" in err and err.rstrip().endswith("got lenet-swish (see lab.py --help)")
 
 
@@ -155,7 +184,7 @@ def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path
     import accounting
     import bench
 
-    stages = lab.lab_stages(tmp_path, str(tmp_path / "data"), "report")
+    stages = lab.lab_stages(tmp_path, str(tmp_path / "data"), "report", str(tmp_path / "text"))
     todo = [s for s in stages if not s.optional]
     (slow, (slow_rate, _)), (fast, (fast_rate, _)) = sorted(lab.REFERENCES.items(), key=lambda kv: kv[1][0])[:2]
     for cpu in (slow, fast):
