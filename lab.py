@@ -179,16 +179,16 @@ def lab(args) -> int:
 # EPYC's times scaled to the AVX-512 one said 12 min for its 7.8); once a lab has timed its stages here
 # (runs/lab/timings.json), those times.
 REFERENCES = {
-    "AMD EPYC, 2 cores (AVX2)": (129e9, {  # 2026-11-28 03:59, a fresh lab at 1c00f7b, 800 s in all; text and gpt-text
-        # 04:40 (lab.py --stages text,gpt-text); bench-gpt: CPU Adam built in its first ZeRO-Offload case
-        "data": 8, "text": 8, "lenet-relu": 69, "gelu-check": 2, "lenet-gelu_torch": 88, "lenet-gelu_py": 129,
-        "lenet-gelu_cpp": 90, "bench-gelu": 38, "bench-lenet": 37, "gpt-text": 122, "bench-gpt": 336, "gpu-check": 0,
+    "AMD EPYC, 2 cores (AVX2)": (129e9, {  # 2026-11-28 04:35, a fresh lab at f4f9a2a, 842 s in all (it said 15 min);
+        # bench-gpt: CPU Adam built in its first ZeRO-Offload case
+        "data": 7, "text": 1, "lenet-relu": 63, "gelu-check": 1, "lenet-gelu_torch": 79, "lenet-gelu_py": 117,
+        "lenet-gelu_cpp": 78, "bench-gelu": 37, "bench-lenet": 36, "gpt-text": 114, "bench-gpt": 308, "gpu-check": 0,
         "report": 2}),
     "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27 13:39, at 0d3b03c, 416 s in all; text
         # and gpt-text not timed there yet: the AVX2 EPYC's, gpt-text's scaled by the recipe's float32 tokens/s
-        # (17,104 there in `make bench-text`, docs/text.md, against 13,499 in the AVX2 EPYC's stage)
-        "data": 4, "text": 8, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65,
-        "lenet-gelu_cpp": 36, "bench-gelu": 22, "bench-lenet": 16, "gpt-text": 96, "bench-gpt": 207, "gpu-check": 0,
+        # (17,104 there in `make bench-text`, docs/text.md, against 14,502 in the AVX2 EPYC's stage)
+        "data": 4, "text": 1, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65,
+        "lenet-gelu_cpp": 36, "bench-gelu": 22, "bench-lenet": 16, "gpt-text": 97, "bench-gpt": 207, "gpu-check": 0,
         "report": 1}),
 }
 TIMINGS = "lab/timings.json"  # under --runs

@@ -119,6 +119,7 @@ print(library, b".nv_fatbin" in open(library, "rb").read())
 """
 
 
+@pytest.mark.slow  # nvcc in a process of its own: 91 s the first time on the AVX2 EPYC, too long for make test-fast
 @pytest.mark.builds  # the GELU's CUDA kernel, which make setup builds only where a GPU is
 def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     """Build-only (no GPU here): with the CUDA toolkit, the extension holds device code for the course's GPUs and the
