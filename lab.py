@@ -4,7 +4,7 @@
     python lab.py --force         # make lab FORCE=1: recompute every stage, even those with results on disk
     python lab.py gpu-check       # make gpu-check (gpu_check.py): each GPU path with a verdict, into runs/gpu-check/
 
-A stage whose result is on disk is skipped; an interrupted LeNet-5 run continues from its last checkpoint,
+A stage whose result is on disk is skipped; an interrupted LeNet-5 or GPT-2 text run continues from its last checkpoint,
 an interrupted benchmark keeps its finished cases. Each stage's output goes to runs/lab/logs/<stage>.log.
 """
 
