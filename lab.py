@@ -51,9 +51,11 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
         print(f"warning: {unusable}; until then the lab is sized for the CPU", file=sys.stderr)
     accelerator = "cuda" if gpus else "cpu"
     cores = os.cpu_count() or 1
+    from text_corpus import CORPUS
+
     # both data sets first: offline without a mirror, the lab stops in its first seconds, not after the LeNet-5 runs
     stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte")),
-              Stage("text", ["text_corpus.py", "--data-dir", text_dir], str(REPO / text_dir / "shakespeare.txt"))]
+              Stage("text", ["text_corpus.py", "--data-dir", text_dir], str(REPO / text_dir / CORPUS))]
     from gelu_ext import ACTIVATIONS  # relu, LeNet-5's default, first
 
     def lenet(act: str) -> Stage:
@@ -71,6 +73,7 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
                Stage("bench-lenet", ["bench.py", "--out-dir", runs, "--keep", "lenet", "--seeds", "1", "--default-run",
                                      runs / f"lab-lenet-{ACTIVATIONS[0]}"], "bench-lenet/bench.json")]
     # GPT-2 on Shakespeare with nanoGPT's CPU recipe (docs/text.md): the report's curves, a model to sample from
+    # (the later --accelerator wins over the recipe's cpu, as bench.py's later --precision does)
     from bench import NANOGPT_RECIPE
 
     text = "lab-gpt-text"
