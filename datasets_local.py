@@ -12,8 +12,6 @@ import hashlib
 import http.client
 import os
 import sys
-import urllib.parse
-import urllib.request
 import zlib
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from checkpoints import write_atomic
+from core.run.files import fetch, write_atomic
 
 # The mirrors torchvision uses, tried in order. MNIST_MIRROR (or mirror=) replaces them.
 UPSTREAM_MIRRORS = (
@@ -101,34 +99,6 @@ def read_idx(path, expect_ndim: int | None = None) -> np.ndarray:
 def _mirrors(mirror: str | None) -> tuple[str, ...]:
     mirror = mirror or os.environ.get("MNIST_MIRROR")
     return (mirror,) if mirror else UPSTREAM_MIRRORS
-
-
-def fetch(mirror: str, filename: str) -> bytes:
-    """The bytes of `filename` (.gz) from a URL or a local directory."""
-    parsed = urllib.parse.urlparse(mirror)
-    if parsed.scheme in ("http", "https", "ftp", "file"):
-        url = urllib.parse.urljoin(mirror.rstrip("/") + "/", filename)
-        with urllib.request.urlopen(url, timeout=30) as response:
-            return _read_with_progress(response, filename)
-    path = Path(mirror).expanduser() / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    return path.read_bytes()
-
-
-def _read_with_progress(response, filename: str) -> bytes:
-    """The whole body; with a progress bar when a person watches a terminal."""
-    if not sys.stderr.isatty():
-        return response.read()
-    from tqdm import tqdm
-
-    chunks = []
-    total = int(response.headers.get("Content-Length") or 0) or None
-    with tqdm(total=total, unit="B", unit_scale=True, desc=filename, leave=False) as bar:
-        while chunk := response.read(1 << 16):
-            chunks.append(chunk)
-            bar.update(len(chunk))
-    return b"".join(chunks)
 
 
 def local_copy(root: Path, name: str) -> tuple[bool, str | None]:
@@ -266,7 +236,7 @@ class MNIST(Dataset):
 
 
 def build_parser():
-    from flags import Folder, Parser, Source
+    from core.run.flags import Folder, Parser, Source
 
     parser = Parser(description=__doc__, prog="datasets_local.py")
     parser.add_argument("--root", default="data/mnist", type=Folder(), help="folder for the decompressed IDX files "

@@ -6,12 +6,13 @@ time/throughput/TFLOPS/MFU/memory figures. The same commands run on CPUs (gloo) 
     python fabric_gpt.py --strategy deepspeed_stage_3 --devices 2 # ZeRO-3 on 2 processes (CPU or GPUs)
     python fabric_gpt.py --strategy tp --devices 2                # Megatron-style tensor parallel
     python fabric_gpt.py --strategy pp --devices 2 --grad-accum 4 # 2 pipeline stages, 1F1B, 4 micro-batches
-    python fabric_gpt.py --dataset text                           # characters of Shakespeare (sample.py reads them)
+    python fabric_gpt.py --dataset text                           # characters of Shakespeare (lab.sample reads them)
     python fabric_gpt.py --model 1.6b --plan --devices 8          # memory and time plan per device, no training
 
 Every run writes runs/<run-name>/record.json (config, versions, device, figures) and TensorBoard events. Beneath
-this script: the model (gpt_model.py), the parallel layout (layout.py) and its builders (strategies.py), the
-figures (gpt_figures.py) and the plans (accounting.py: memory, perf_model.py: time).
+this script (core/): the model (gpt/gpt_model.py), the parallel layout (run/layout.py) and its builders
+(gpt/strategies.py), the plans (plan/accounting.py: memory, plan/perf_model.py: time) and the figures beside them
+(plan/gpt_figures.py).
 """
 
 import dataclasses
@@ -20,33 +21,28 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
-import accounting
-import flags
-import gpt_figures
-import hf_export
-import perf_model
-import strategies
-import text_corpus
-from checkpoints import ResumeError
-from flags import ConfigError, opt, requeue_flag, resume_flag
-from gpt_model import PRESETS, attention_kernel, build_model, count_parameters, resolve_attention
-from hardware import check_hardware, compile_cache_per_caps, return_freed_host_memory, uses_gpu
-from layout import STRATEGIES, check_sizes, layout
-from ranks import check_launcher, launch, take_fabric_run_settings
-from run_state import Progress, Run, exit_without_teardown, exits, find_run
-from step_watch import LossWatch, StepTimer
+from core.gpt import hf_export, strategies, text_corpus
+from core.gpt.gpt_model import PRESETS, attention_kernel, build_model, count_parameters, resolve_attention
+from core.plan import accounting, gpt_figures, perf_model
+from core.run import flags
+from core.run.checkpoints import ResumeError
+from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
+from core.run.hardware import check_hardware, compile_cache_per_caps, return_freed_host_memory, uses_gpu
+from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
+from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run
+from core.run.ranks import check_launcher, launch, take_fabric_run_settings
+from core.run.step_watch import LossWatch, StepTimer
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 
 
 @dataclass
-class Config:
+class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/run/layout.py)
     model: str = opt("tiny", "model preset", tuple(PRESETS), group="model (a preset; any dimension can be overridden)")
     n_embd: int = opt(0, "hidden size (0: the preset's)", min=0)
     n_layer: int = opt(0, "transformer blocks (0: the preset's)", min=0)
@@ -145,7 +141,7 @@ def resolve(cfg: Config) -> Config:
                                n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
                                vocab_size=cfg.vocab_size or (0 if text else vocab),
                                num_samples=cfg.num_samples or (0 if text else 256),
-                               grad_accum=cfg.grad_accum or layout(cfg).pp_size,
+                               grad_accum=cfg.grad_accum or cfg.layout.pp_size,
                                lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4))
 
 
@@ -190,7 +186,7 @@ def prepared_text(cfg: Config) -> "text_corpus.Prepared":
 
 def samples_per_step(cfg: Config) -> int:
     """Samples in one optimizer step: micro-batch x accumulation x data-parallel size."""
-    return cfg.micro_batch_size * cfg.grad_accum * layout(cfg).dp_size
+    return cfg.micro_batch_size * cfg.grad_accum * cfg.layout.dp_size
 
 
 # ----------------------------------------------------------------------------- data
@@ -224,11 +220,11 @@ def make_optimizer(cfg: Config, model):
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, foreach=False)
-    if layout(cfg).offload:
+    if cfg.layout.offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), adamw_mode=True)
-    mixed_tensors = layout(cfg).tensor_parallel  # DTensor and plain parameters cannot share one kernel
+    mixed_tensors = cfg.layout.tensor_parallel  # DTensor and plain parameters cannot share one kernel
     # fused AdamW: one kernel per tensor for the whole update, on CUDA and on CPU alike (torch picks it for neither).
     # On CPU foreach is a loop of ~10 ops per tensor: 1.9 ms against fused's 0.7 ms for the nanoGPT recipe's 52
     # tensors (docs/text.md), 3% of its step. Fused unscales inside its kernel, and Fabric then
@@ -261,7 +257,7 @@ def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch
         loss_sum += loss.detach()
     scaler = loss_scaler(fabric)
     scale = scaler.get_scale() if scaler else None
-    if cfg.grad_clip and layout(cfg).replicated:
+    if cfg.grad_clip and cfg.layout.replicated:
         # unscales under 16-mixed; a non-finite norm is not an error here: an overflow is the scaler's to handle, and
         # train() reports any other at its next log point (raising here would read the norm every step)
         norm = fabric.clip_gradients(model, optimizer, max_norm=cfg.grad_clip, error_if_nonfinite=False)
@@ -408,8 +404,8 @@ def mean_loss(fabric, cfg: Config, loss) -> float:
     """The loss of the whole global batch: the mean over data-parallel ranks (TP ranks agree; under PP
     only each pipeline's last stage holds it)."""
     loss = torch.as_tensor(loss, dtype=torch.float32, device=fabric.device)
-    if layout(cfg).pipeline:
-        return float(fabric.all_reduce(loss, reduce_op="sum")) / layout(cfg).dp_size
+    if cfg.layout.pipeline:
+        return float(fabric.all_reduce(loss, reduce_op="sum")) / cfg.layout.dp_size
     return float(fabric.all_reduce(loss, reduce_op="mean"))
 
 
@@ -434,7 +430,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
     check_sizes(cfg)
     resolve_text(cfg)  # the corpus's errors (missing, empty, binary, too short) before any model is built
-    lay = layout(cfg)
+    lay = cfg.layout
     if cfg.nvme_path and not (lay.offload and lay.zero_stage == 3):
         raise ConfigError("--nvme-path offloads through DeepSpeed ZeRO-3: use it with --strategy deepspeed_stage_3_offload")
     if cfg.nvme_path and cfg.resume:  # its load skips the optimizer state and the swapper starts AdamW anew
@@ -474,7 +470,7 @@ def validate(cfg: Config) -> None:
 def parse_args(argv=None) -> Config:
     cfg = flags.parse_config(Config, argv, __doc__, prog="fabric_gpt.py")
     # under `fabric run`: its --devices and the rest where the command line left the defaults
-    take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
+    cfg = take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
     return resolve(cfg)
 
 
@@ -483,7 +479,7 @@ def main(argv=None) -> dict:
         cfg = parse_args(argv)
         validate(cfg)
         if cfg.plan or cfg.search:
-            return perf_model.plan(cfg)
+            return perf_model.plan(cfg, step_script=__file__)  # on a CPU its step is timed by running this script
         if (finished := find_run(cfg, "gpt", reached_its_end, text_identity(cfg))) is not None:
             return finished  # --resume auto of a run that already reached its end: nothing to train
         stop.listen(cfg.requeue_signal)  # from here a signal saves and stops the run, or lets its record finish
@@ -501,10 +497,10 @@ def main(argv=None) -> dict:
         progress = Progress(step=0, losses=[], grad_norms=[], train_time_s=0.0, skipped_steps=0, val_losses=[],
                             train_losses_eval=[], schedule_steps=schedule_steps(cfg)[0])
         # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state is the whole model)
-        state = {"model": strategies.local_module(model, cfg) if layout(cfg).pipeline else model,
+        state = {"model": strategies.local_module(model, cfg) if cfg.layout.pipeline else model,
                  "optimizer": optimizer, "progress": progress}
         run = Run(fabric, cfg, "gpt", state, stop, check_config=lambda saved: check_resume(saved, cfg),
-                  per_rank_checkpoints=layout(cfg).pipeline, identity=text_identity(cfg))
+                  per_rank_checkpoints=cfg.layout.pipeline, identity=text_identity(cfg))
         run.start()  # resume from the newest good checkpoint, or start
         announce(run, n_params, peak, attn)
         timing = train(run, model, optimizer, loader, take_step, accounting.flops_per_token(cfg, n_params),
@@ -513,7 +509,7 @@ def main(argv=None) -> dict:
         held = accounting.held_bytes(strategies.local_module(model, cfg), optimizer)
         record.update(gpt_figures.beside_the_plan(fabric, cfg, record, timing, n_params, held, setup_peak, host))
         record.update(text_record(cfg, progress), attention_kernel=attention_kernel(cfg, fabric.device, attn),
-                      model_build="partitioned (deepspeed.zero.Init)" if layout(cfg).zero_stage == 3 else
+                      model_build="partitioned (deepspeed.zero.Init)" if cfg.layout.zero_stage == 3 else
                       "whole on every rank")
         if cfg.export:
             record["exported_to"] = export(fabric, cfg, model, run.dir)
@@ -530,12 +526,12 @@ def setup_model(fabric: Fabric, cfg: Config):
     if cfg.compile:
         compile_cache_per_caps()
         model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
-    if layout(cfg).model_parallel:  # parameters are replaced while sharding: the optimizer after
+    if cfg.layout.model_parallel:  # parameters are replaced while sharding: the optimizer after
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(make_optimizer(cfg, model))
     else:
         model, optimizer = fabric.setup(model, make_optimizer(cfg, model))  # DeepSpeed: one engine
-    if not layout(cfg).deepspeed:  # DeepSpeed keeps offloaded partitions on the CPU by design
+    if not cfg.layout.deepspeed:  # DeepSpeed keeps offloaded partitions on the CPU by design
         strategies.check_placement(strategies.local_module(model, cfg), fabric.device)
     setup_peak = accounting.peak_memory(fabric.device)
     return_freed_host_memory()
@@ -546,8 +542,8 @@ def setup_model(fabric: Fabric, cfg: Config):
 def steps_of_the_strategy(fabric: Fabric, cfg: Config, model):
     """(take_step, evaluate_now or None): the optimizer step of the strategy (a pipeline's schedule drives its
     stages), and a text run's validation loss over its fixed windows."""
-    take_step, schedule = step_deepspeed if layout(cfg).deepspeed else step_data_parallel, None
-    if layout(cfg).pipeline:
+    take_step, schedule = step_deepspeed if cfg.layout.deepspeed else step_data_parallel, None
+    if cfg.layout.pipeline:
         # the stage itself, not Fabric's wrapper: the schedule runs backward through autograd.grad, which
         # the wrapper refuses under mixed precision; step_pipeline applies Fabric's autocast instead
         schedule = strategies.make_pipeline_schedule(strategies.local_module(model, cfg), fabric,
@@ -563,11 +559,11 @@ def steps_of_the_strategy(fabric: Fabric, cfg: Config, model):
 def announce(run: Run, n_params: int, peak: tuple, attn: str) -> None:
     """The run's size, the attention kernel it gets and, when over a minute, its planned duration."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
-    if cfg.dataset == "text" and fabric.is_global_zero:  # the run carries its tokenizer: sample.py and hf/ read it
+    if cfg.dataset == "text" and fabric.is_global_zero:  # the run carries its tokenizer: lab.sample and hf/ read it
         text_corpus.save_tokenizer(prepared_text(cfg), run.dir)
     total_steps, stop_at = progress.schedule_steps, schedule_steps(cfg)[1]
     fabric.print(f"{n_params / 1e6:,.2f}M parameters, steps {progress.step + 1}-{stop_at} of {total_steps}, each "
-                 f"{cfg.micro_batch_size} x {cfg.grad_accum} x {layout(cfg).dp_size} samples x {cfg.seq_len} tokens; "
+                 f"{cfg.micro_batch_size} x {cfg.grad_accum} x {cfg.layout.dp_size} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     fabric.print(f"attention: {attention_kernel(cfg, fabric.device, attn)}")
     gpt_figures.announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
@@ -586,7 +582,7 @@ def fabric_precision(cfg: Config, on_gpu: bool) -> dict:
     """Fabric's precision arguments: 16-mixed as Fabric's own plugin with a GradScaler starting at
     2^--loss-scale-power (on CPU too, where Fabric would turn the name into bf16); other precisions, and
     DeepSpeed's own fp16 (configured in strategies.deepspeed_config), by name."""
-    if cfg.precision != "16-mixed" or layout(cfg).deepspeed:
+    if cfg.precision != "16-mixed" or cfg.layout.deepspeed:
         return {"precision": cfg.precision}
     from lightning.fabric.plugins import MixedPrecision
 
@@ -633,10 +629,10 @@ def check_resume(saved: dict, cfg: Config) -> None:
     with (its checkpoint keeps the schedule it started with)."""
     if cfg.dataset == "text" and saved.get("dataset") == "text" and cfg.num_samples > saved.get("num_samples", 0):
         saved["num_samples"] = cfg.num_samples  # compared as equal: text_corpus.Windows draws a longer prefix
-    was, now = layout(SimpleNamespace(**saved)).world, layout(cfg).world
+    was, now = saved_config(saved).layout.world, cfg.layout.world
     if now == was:
         return
-    if layout(cfg).sharded_states:
+    if cfg.layout.sharded_states:
         raise ResumeError(f"cannot resume run {cfg.run_name}: its {cfg.strategy} checkpoint is sharded over "
                           f"{was} processes and this run has {now}. Fix: resume with the same --devices/--num-nodes, "
                           "or export it as one state dict (strategies.export_checkpoint, see README).")

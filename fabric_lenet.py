@@ -21,24 +21,23 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-import cpu_probe
 import datasets_local
-import flags
-import lenet_figures
-from flags import ConfigError, opt, requeue_flag, resume_flag
+from core.lenet import cpu_speed, figures
+from core.run import flags
+from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
+from core.run.hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
+from core.run.layout import Parallel
+from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run
+from core.run.ranks import check_launcher, launch, take_fabric_run_settings
+from core.run.step_watch import LossWatch, StepTimer, progress_bar
 from gelu_ext import ACTIVATIONS, GeluBuildError
-from hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
-from layout import layout
-from ranks import check_launcher, launch, take_fabric_run_settings
-from run_state import Progress, Run, exit_without_teardown, exits, find_run
-from step_watch import LossWatch, StepTimer, progress_bar
 
 STRATEGIES = ("auto", "ddp", "dp")
 PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true")
 
 
 @dataclass
-class Config:
+class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/run/layout.py)
     accelerator: str = opt("auto", "where it runs", ("auto", "cpu", "gpu", "cuda", "mps"),
                            group="where and how it runs", runtime=True)
     devices: int = opt(1, "devices (processes) per node", min=1, runtime=True)
@@ -105,11 +104,11 @@ class LeNet5(nn.Module):
         relu = cfg.activation == "relu"
         pool_act = (lambda: [nn.MaxPool2d(2), act()]) if relu else (lambda: [act(), nn.MaxPool2d(2)])
         # conv1's 6 channels travel as cfg.pad_channels (zeros in the extra ones) from conv1 to conv2's input, a whole
-        # CPU vector (cpu_probe.py); in NCHW the pooling does not vectorize across channels and padding only adds work
+        # CPU vector (core/lenet/cpu_speed.py); in NCHW the pooling does not vectorize across channels and padding only adds work
         pad = max(cfg.pad_channels - 6, 0) if cfg.channels_last else 0
         self.features = nn.Sequential(
-            cpu_probe.ZeroPaddedConv2d(1, 6, 5, padding=2, pad_out=pad), *pool_act(),   # 1x28x28 -> 6x28x28 -> 6x14x14
-            cpu_probe.ZeroPaddedConv2d(6, 16, 5, pad_in=pad), *pool_act(),              # -> 16x10x10 -> 16x5x5
+            cpu_speed.ZeroPaddedConv2d(1, 6, 5, padding=2, pad_out=pad), *pool_act(),   # 1x28x28 -> 6x28x28 -> 6x14x14
+            cpu_speed.ZeroPaddedConv2d(6, 16, 5, pad_in=pad), *pool_act(),              # -> 16x10x10 -> 16x5x5
         )
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), nn.Linear(120, 84), act(), nn.Linear(84, 10),
@@ -264,13 +263,13 @@ def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_step
               "data_wait_share": speed["data_wait"] / seconds if seconds else 0.0,
               "train_time_s": progress.train_time_s, **{k: result[k] for k in ("test_loss", "test_acc")}}
     progress.history.append(record)
-    lenet_figures.print_epoch(fabric, record, cfg.epochs)
+    figures.print_epoch(fabric, record, cfg.epochs)
     run.logger.log_metrics({"test/loss": record["test_loss"], "test/acc": record["test_acc"],
                             "train/epoch_loss": record["train_loss"], "perf/samples_per_s": record["samples_per_s"],
                             "perf/data_wait_share": record["data_wait_share"],
-                            **lenet_figures.system_metrics(fabric.device)}, step=record["step"])
+                            **figures.system_metrics(fabric.device)}, step=record["step"])
     if cfg.tb_images and fabric.is_global_zero:
-        lenet_figures.log_images(run.logger.experiment, model, result, test_tensors, record["step"])
+        figures.log_images(run.logger.experiment, model, result, test_tensors, record["step"])
     if progress.step_in_epoch >= epoch_steps:
         progress.epoch, progress.step_in_epoch, progress.loss_sum, progress.loss_count = epoch + 1, 0, 0.0, 0
     run.save(progress.global_step)
@@ -330,16 +329,16 @@ def validate(cfg: Config) -> dict | None:
     """Every impossible combination is refused here, before data or model are touched. Returns what --precision
     auto measured on a CPU (None when it did not measure)."""
     flags.check_config(cfg)  # each flag's own range, again for a config built in Python
-    world = layout(cfg).world
+    world = cfg.layout.world
     if cfg.batch_size % world:
         raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch and must divide evenly across "
                           f"{world} processes; use a multiple of {world}")
     check_launcher(cfg.num_nodes, cfg.devices, "fabric_lenet.py")
     gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision)
-    if layout(cfg).threads and not gpu:
+    if cfg.layout.threads and not gpu:
         raise ConfigError("--strategy dp splits batches across GPUs in one process and needs CUDA; "
                           "on CPU use --strategy ddp")
-    if layout(cfg).threads and cfg.num_nodes > 1:
+    if cfg.layout.threads and cfg.num_nodes > 1:
         raise ConfigError("--strategy dp runs in one process on one node; use ddp for several nodes")
     if cfg.sync_check and not gpu:
         raise ConfigError("--sync-check watches for CUDA host synchronisation and needs a GPU; a CPU step has none to "
@@ -353,7 +352,7 @@ def validate(cfg: Config) -> dict | None:
 
         load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
     if cfg.precision == "auto":  # resolved here, so config.json and resume compare the precision that ran
-        cfg.precision, probe = cpu_probe.lenet_precision(cfg, lambda: LeNet5(cfg))
+        cfg.precision, probe = cpu_speed.lenet_precision(cfg, lambda: LeNet5(cfg))
         return probe
     return None
 
@@ -362,8 +361,7 @@ def validate(cfg: Config) -> dict | None:
 def parse_args(argv=None) -> Config:
     cfg = flags.parse_config(Config, argv, __doc__, prog="fabric_lenet.py")
     # under `fabric run`: its --devices and the rest where the command line left the defaults
-    take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
-    return cfg
+    return take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
 
 
 def main(argv=None) -> dict:
@@ -377,7 +375,7 @@ def main(argv=None) -> dict:
         fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                         strategy=cfg.strategy, precision=cfg.precision)
         launch(fabric, cfg.num_nodes, cfg.node_timeout)
-        cpu_probe.agree_on_precision(fabric, cfg.precision, probe)
+        cpu_speed.agree_on_precision(fabric, cfg.precision, probe)
         fabric.seed_everything(cfg.seed)
         with fabric.rank_zero_first():  # rank 0 downloads; the others then read the verified files
             train_set, test_set = load_data(cfg)
@@ -401,10 +399,10 @@ def main(argv=None) -> dict:
         data = (train_set, on_device(test_set.tensors()),
                 on_device(train_set.tensors()) if cfg.data == "memory" else None)
         result = train(run, model, optimizer, scheduler, data)
-        record = lenet_figures.summarize(fabric, cfg, result, progress, len(train_set), first_epoch_here, compute, probe)
+        record = figures.summarize(fabric, cfg, result, progress, len(train_set), first_epoch_here, compute, probe)
         summary = run.finish(record, {f"hparams/{k}": result[k] for k in ("test_acc", "test_loss")},
                              trained=progress.global_step > first_step_here)
-    lenet_figures.print_summary(fabric, summary)
+    figures.print_summary(fabric, summary)
     return summary
 
 
@@ -421,7 +419,7 @@ def make_model(cfg: Config) -> tuple[nn.Module, dict]:
     """LeNet-5 in the run's layout and compiled form, and a dict that conv1's output fills with the dtype it
     computed in (what the record says ran)."""
     model = LeNet5(cfg)
-    if layout(cfg).threads and cfg.precision == "bf16-mixed":
+    if cfg.layout.threads and cfg.precision == "bf16-mixed":
         # DataParallel's worker threads re-enter autocast without its dtype, so the replicas would compute in
         # the thread's default, float16 on CUDA, with no loss scaler: the model names its dtype itself
         model.autocast_dtype = torch.bfloat16
@@ -441,7 +439,7 @@ def make_model(cfg: Config) -> tuple[nn.Module, dict]:
 
 def reached_its_end(record: dict, cfg: Config) -> bool:
     """An earlier run's record reached what this command asks for: --max-steps steps, else all --epochs."""
-    whole = cfg.epochs * steps_per_epoch(cfg.train_samples or 60_000, cfg, layout(cfg).world)  # MNIST's 60,000
+    whole = cfg.epochs * steps_per_epoch(cfg.train_samples or 60_000, cfg, cfg.layout.world)  # MNIST's 60,000
     return record.get("steps", 0) >= (min(whole, cfg.max_steps) if cfg.max_steps else whole)
 
 

@@ -137,7 +137,7 @@ def load_cpp(verbose: bool = False) -> None:
                              "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
     name, sources, flags, cuda_flags, toolkit = build_plan()
     if not toolkit:  # a build without CUDA: torch's guess of a toolkit at the import below would mislead
-        from hardware import hide_the_cuda_home_guess
+        from core.run.hardware import hide_the_cuda_home_guess
 
         hide_the_cuda_home_guess()
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from checkpoints import write_json_atomic
+from core.run.files import write_json_atomic
 from gelu_ext import APPROXIMATIONS, GeluBuildError, cuda_implementation, gelu_cpp, gelu_py, load_cpp
-
 
 
 def environment() -> dict:
@@ -146,7 +145,7 @@ def bench(args) -> int:
 
 
 def build_parser():
-    from flags import Folder, Parser, choice, number
+    from core.run.flags import Folder, Parser, choice, number
 
     parser = Parser(description=__doc__, prog="python -m gelu_ext")
     parser.add_argument("command", type=choice(("check", "bench")), help="check: errors and gradcheck; bench: speed")

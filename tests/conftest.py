@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-import warm_python  # noqa: E402 (the repository's, on the path above)
+from core.run import warm_python  # noqa: E402 (the repository's, on the path above)
+
 # cpu_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
 # pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
 if "PYTEST_XDIST_WORKER" not in os.environ:
@@ -82,7 +83,7 @@ def shared_dir(tmp_path_factory, name: str, make) -> Path:
 
 
 def run_script(*args, timeout=600, check=True, env=None, cold=False) -> subprocess.CompletedProcess:
-    """Run a repository script in a process of its own, as `python script ...`: forked warm (warm_python.py),
+    """Run a repository script (or `-m module`) in a process of its own, as `python script ...`: forked warm (warm_python.py),
     or with `cold` a real interpreter, for a test that measures the process itself (a fork's resident memory counts
     the pages of the server it came from, as they are touched). A variable given as None is left out of its env."""
     full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if v is not None}
@@ -155,16 +156,17 @@ def wait_for_checkpoint(run_dir: Path, *procs: subprocess.Popen, timeout: float 
 
 
 def run_in_process(script: str, *args, check=True) -> subprocess.CompletedProcess:
-    """A single-process run of a script's main() in the test process: the command line's code path from
-    argument parsing on, without a new interpreter importing torch, Lightning and transformers again (about
-    3.5 s of CPU each time). Multi-process runs, signals and the command line itself use run_script."""
-    module = importlib.import_module(Path(script).stem)
+    """A single-process run of a script's (fabric_gpt.py) or a tool's (lab.sample, -m lab.sample) main() in the test
+    process: the command line's code path from argument parsing on, without a new interpreter importing torch,
+    Lightning and transformers again (about 3.5 s of CPU each time). Multi-process runs, signals and the command line
+    itself use run_script."""
+    module = importlib.import_module(script.removeprefix("-m ").removesuffix(".py").replace("/", "."))
     if "torch._dynamo" in sys.modules:  # as a new process would: no graphs compiled yet, none counted
         sys.modules["torch._dynamo"].reset()
         sys.modules["torch._dynamo"].utils.counters.clear()
     out, err, code = io.StringIO(), io.StringIO(), 0
     environ = dict(os.environ)
-    from stops import STOP_SIGNALS
+    from core.run.ranks import STOP_SIGNALS
 
     # a run stopped by a signal keeps its handlers to its end (stops.py), which a process's end takes with it
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}

@@ -9,35 +9,28 @@ import sys
 
 import pytest
 
-from conftest import REPO
-import warm_python
-
-import bench
 import datasets_local
 import fabric_gpt
 import fabric_lenet
-import flags
-import gpu_check
-import hf_export
-import lab
-import nanogpt_reference
-import report
-import sample
-import text_corpus
+from conftest import REPO
+from core.gpt import hf_export, text_corpus
+from core.run import flags, warm_python
 from gelu_ext import __main__ as gelu_main
+from lab import bench, gpu_check, nanogpt_reference, report, sample
+from lab import stages as lab
 
 PARSERS = {
     "fabric_lenet.py": lambda: flags.build_parser(fabric_lenet.Config, "", "fabric_lenet.py"),
     "fabric_gpt.py": lambda: flags.build_parser(fabric_gpt.Config, "", "fabric_gpt.py"),
-    "sample.py": lambda: flags.build_parser(sample.Config, "", "sample.py"),
-    "gpu_check.py": gpu_check.build_parser,
-    "bench.py": bench.build_parser,
-    "report.py": report.build_parser,
-    "lab.py": lab.build_parser,
+    "python -m lab.sample": lambda: flags.build_parser(sample.Config, "", "python -m lab.sample"),
+    "python -m lab.gpu_check": gpu_check.build_parser,
+    "python -m lab.bench": bench.build_parser,
+    "python -m lab.report": report.build_parser,
+    "python -m lab": lab.build_parser,
     "datasets_local.py": datasets_local.build_parser,
-    "hf_export.py": hf_export.build_parser,
-    "nanogpt_reference.py": nanogpt_reference.build_parser,
-    "text_corpus.py": text_corpus.build_parser,
+    "python -m core.gpt.hf_export": hf_export.build_parser,
+    "python -m lab.nanogpt_reference": nanogpt_reference.build_parser,
+    "python -m core.gpt.text_corpus": text_corpus.build_parser,
     "python -m gelu_ext": gelu_main.build_parser,
 }
 COMMAND_AFTER = {bench.build_parser: "gpt", gelu_main.build_parser: "check"}

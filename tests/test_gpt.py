@@ -14,18 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run_script, shared_dir
-import warm_python
-import accounting
-import comm_counter
-import cpu_probe
 import fabric_gpt as gpt
-import gpt_figures
-import gpt_model
-import hardware
-import layout
-import perf_model
-import strategies
+from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run_script, shared_dir
+from core.gpt import gpt_model, strategies
+from core.plan import accounting, comm_counter, gpt_figures, perf_model
+from core.run import hardware, layout, measurements, warm_python
 
 # A learnable sequence (each token is the previous + 1), so a wrong update would show in the losses.
 SMALL = ["--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--num-samples", "48", "--accelerator", "cpu",
@@ -870,13 +863,13 @@ def test_a_run_that_outruns_its_cached_matmul_peak_drops_it(tmp_path, monkeypatc
     drops it; the next run measures the peak again and its MFU is a share."""
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path / "cache"))
     settings = accounting.matmul_peak_settings("32-true")
-    cpu_probe.cached_unlocked("matmul_peak", settings, lambda: [1e9, "float32 matmul"])
+    measurements.cached_unlocked("matmul_peak", settings, lambda: [1e9, "float32 matmul"])
     proc = run_gpt(tmp_path, "outrun", "--steps", "4", "--precision", "32-true")
     assert record(tmp_path, "outrun")["mfu"] > 1 and "the next run measures it again" in proc.stdout, proc.stdout
-    assert cpu_probe.cached("matmul_peak", settings, None, allow_measure=False) is None
+    assert measurements.cached("matmul_peak", settings, None, allow_measure=False) is None
     run_gpt(tmp_path, "again", "--steps", "4", "--precision", "32-true")
     assert 0 < record(tmp_path, "again")["mfu"] <= 1
-    assert cpu_probe.cached("matmul_peak", settings, None, allow_measure=False)[0] > 1e9
+    assert measurements.cached("matmul_peak", settings, None, allow_measure=False)[0] > 1e9
 
 
 def test_a_short_run_counts_its_own_steps_and_says_it_was_not_timed(tmp_path):
@@ -939,8 +932,9 @@ def test_make_export_writes_a_folder_transformers_loads(single, two_process, nam
     """`make export RUN=<run>` on a sharded run's checkpoint: a folder AutoModelForCausalLM loads with no missing or
     unexpected keys, whose logits are the checkpoint's model's (float32, 1e-5) and whose weights equal the
     one-process run's export."""
-    import hf_export
     from transformers import AutoModelForCausalLM
+
+    from core.gpt import hf_export
 
     out, run = two_process(name)
     shutil.copytree(out / run / "checkpoints", tmp_path / run / "checkpoints")
@@ -964,7 +958,7 @@ def test_make_export_writes_a_folder_transformers_loads(single, two_process, nam
 
 
 def test_export_of_a_run_without_checkpoint_is_one_line(tmp_path, capsys):
-    import hf_export
+    from core.gpt import hf_export
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exit_:
@@ -1102,7 +1096,7 @@ def test_step_timer_hands_back_each_step_at_the_check_point():
     step's duration and whether it counts, in order, once."""
     import time
 
-    from step_watch import StepTimer
+    from core.run.step_watch import StepTimer
 
     timer = StepTimer(torch.device("cpu"))
     for pause in (0.01, 0.02):
@@ -1117,10 +1111,10 @@ def test_step_timer_hands_back_each_step_at_the_check_point():
 def test_auto_attention_precision_follows_the_measurement(monkeypatch):
     """--attention-precision auto: float32 only for a 16-bit run on a CPU where the probe measured float32 SDPA
     faster at the run's shape; the 16-bit type on GPUs and where it is the faster; float32 runs are left alone."""
-    import cpu_probe
+    from core.gpt import gpt_model
 
     asked = []
-    monkeypatch.setattr(cpu_probe, "float32_attention_faster", lambda *a: asked.append(a) or faster)
+    monkeypatch.setattr(gpt_model, "float32_attention_faster", lambda *a: asked.append(a) or faster)
     cfg = gpt.resolve(gpt.Config(model="tiny", precision="bf16-mixed", accelerator="cpu"))
     faster = True
     assert gpt.resolve_attention(cfg, on_gpu=False) == "float32"

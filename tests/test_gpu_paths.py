@@ -12,14 +12,13 @@ import threading
 import pytest
 import torch
 
-from conftest import run_in_process, run_script
-import bench
-import extension_compiler
 import fabric_gpt as gpt
-import gpu_check
-import hardware
-import strategies
-from fabric_lenet import Config as LenetConfig, LeNet5
+from conftest import run_in_process, run_script
+from core.gpt import strategies
+from core.run import extension_compiler, hardware
+from fabric_lenet import Config as LenetConfig
+from fabric_lenet import LeNet5
+from lab import bench, gpu_check
 
 RAMP = ["--model", "tiny", "--dataset", "ramp", "--accelerator", "cpu", "--micro-batch-size", "4", "--warmup-steps", "1"]
 
@@ -127,7 +126,7 @@ def test_nvme_on_a_gpu_checks_the_cuda_toolkit_and_the_arch_list(tmp_path):
 def test_single_device_baseline_takes_the_global_batch_in_micro_batches_that_fit():
     """The sweep's global batch of 32 for the 1.6B model on one 80 GiB GPU: no longer 32 at once (the plan
     says it cannot fit) but the largest divisor that fits, accumulated to 32."""
-    import accounting
+    from core.plan import accounting
 
     def planned(micro):
         cfg = gpt.resolve(gpt.Config(model="1.6b", precision="bf16-mixed", micro_batch_size=micro, grad_accum=32 // micro,
@@ -154,7 +153,7 @@ def test_large_model_verdict_on_a_gpu_without_a_known_peak():
 
 
 def test_export_variants_and_l40s_have_peaks():
-    import accounting
+    from core.plan import accounting
 
     assert accounting.gpu_chip("NVIDIA H800") == "h100 sxm" and accounting.gpu_chip("NVIDIA A800-SXM4-80GB") == "a100"
     assert accounting.gpu_chip("NVIDIA L40S") == "l40s" and accounting.gpu_chip("NVIDIA B200") is None
@@ -180,7 +179,7 @@ def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch, tmp_path):
     answer is kept with this machine's measurements for the next process."""
     import cpuinfo
 
-    import cpu_probe
+    from core.run import measurements
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))  # a cache of its own: no other worker holds its lock
@@ -194,20 +193,20 @@ def test_deepspeed_asks_py_cpuinfo_once_a_machine(monkeypatch, tmp_path):
     assert builder.cpu_arch() == "-march=native" and builder.simd_width().startswith("-D__AVX")
     assert cpuinfo.get_cpu_info.answer.cache_info().misses == 1 and cpuinfo.get_cpu_info() is not first
     assert cpuinfo.get_cpu_info() == first and first["arch"] == "X86_64"
-    assert cpu_probe.cached("py-cpuinfo", {}, None, allow_measure=False) == first
+    assert measurements.cached("py-cpuinfo", {}, None, allow_measure=False) == first
 
 
 @pytest.mark.slow  # a process that imports DeepSpeed
 def test_py_cpuinfo_is_asked_without_waiting_for_the_probe_cache_a_measurement_holds(tmp_path):
-    """cpu_probe holds its cache's lock while a measurement's minimal job runs (bench-gpt's predictions), and such a
+    """The measurements' cache lock is held while a measurement's minimal job runs (bench-gpt's predictions), and such a
     job may be a DeepSpeed rank: asking py-cpuinfo there must not wait for that lock (make lab hung on it)."""
     import fcntl
 
-    import cpu_probe
+    from core.run import measurements
 
-    code = ("import cpuinfo, strategies; strategies.ask_cpuinfo_once(); "
+    code = ("import cpuinfo; from core.gpt import strategies; strategies.ask_cpuinfo_once(); "
             "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; print(CPUAdamBuilder().simd_width())")
-    lock_path = cpu_probe.cache_file().with_suffix(".lock").name
+    lock_path = measurements.cache_file().with_suffix(".lock").name
     with open(tmp_path / lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # as a measurement in progress holds it
         job = run_script("-c", code, env={"FABRIC_LAB_CACHE": str(tmp_path), "DS_ACCELERATOR": "cpu"}, timeout=90,
@@ -221,6 +220,7 @@ def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
     import shutil
     import subprocess
     import sys
+
     from torch.utils import cpp_extension
 
     monkeypatch.delenv("CXX", raising=False)

@@ -12,9 +12,10 @@ import time
 import pytest
 
 from conftest import REPO, run_in_process
-import warm_python
-import lab
+from core.run import warm_python
 from fabric_lenet import Config, steps_per_epoch
+from lab import gpu_check
+from lab import stages as lab
 
 
 def run_lab(capsys, *args) -> tuple[int, str]:
@@ -49,8 +50,8 @@ def test_without_the_corpus_the_second_stage_fails_and_gpt_text_trains_nanogpts_
     assert code == 1 and "[2/" in failed and "text" in failed and "FAILED" in failed and "TEXT_MIRROR" in failed, out
     assert "data             done earlier" in out  # MNIST was there
     assert [p.name for p in (tmp_path / "runs" / "lab" / "logs").iterdir()] == ["text.log"]  # nothing else started
-    import bench
     import fabric_gpt as gpt
+    from lab import bench
 
     stages = lab.lab_stages(tmp_path / "runs", mnist_dir, "report", str(tmp_path / "text"))
     names = [s.name for s in stages]
@@ -106,7 +107,7 @@ def test_unknown_stage_is_refused_with_the_list(capsys):
         lab.main(["--stages", "lenet-swish"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error: --stages must be a comma-separated list of data, text, lenet-relu")
-    assert "bench-gpt" in err and err.rstrip().endswith("got lenet-swish (see lab.py --help)")
+    assert "bench-gpt" in err and err.rstrip().endswith("got lenet-swish (see python -m lab --help)")
 
 
 @pytest.mark.slow  # a real interpreter and torchrun
@@ -116,7 +117,7 @@ def test_bench_gpt_in_the_lab_runs_its_ranks_real_under_a_warm_agent(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text("import os, sys, psutil; agent = ' '.join(psutil.Process(os.getppid()).cmdline())\n"
                       "print(os.environ['RANK'], sys.executable, 'warm_python.py' in agent, file=sys.stderr)")
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import bench, warm_python; "
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from lab import bench; from core.run import warm_python; "
             f"print(warm_python.at_hand() is not None, bench.run({str(script)!r}, [], ranks=2))")
     env = {**os.environ, warm_python.SHARED: warm_python.executable()}
     lab_like = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
@@ -147,7 +148,7 @@ def test_stages_start_warm_but_those_a_fork_would_change(tmp_path, capsys, monke
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line_and_fails(tmp_path, capsys):
-    assert lab.main(["--runs", str(tmp_path), "gpu-check"]) == 1
+    assert gpu_check.main(["--runs", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no CUDA GPU is visible" in err and not list(tmp_path.iterdir())
 
@@ -161,7 +162,7 @@ def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
     run_in_process("fabric_lenet.py", "--run-name", "lab-lenet-relu", "--out-dir", runs, "--data-dir", mnist_dir,
                    "--max-steps", "100", "--no-tb-images")
     (runs / "lab-lenet-relu" / "record.json").unlink()  # as if stopped after its checkpoint at step 100
-    proc = subprocess.Popen([warm_python.executable(), "lab.py", "--runs", str(runs), "--data-dir", str(mnist_dir),
+    proc = subprocess.Popen([warm_python.executable(), "-m", "lab", "--runs", str(runs), "--data-dir", str(mnist_dir),
                              "--report-dir", str(tmp_path / "report"), "--stages", "lenet-relu"], cwd=REPO,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     log, deadline = runs / "lab" / "logs" / "lenet-relu.log", time.time() + 120
@@ -181,8 +182,8 @@ def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path
     """Before its first stage: the stages still to run, from a reference CPU's times (a reference CPU's own, as they
     are; another CPU, those of the reference nearest its measured matmul rate, scaled by the ratio), and, once a lab
     has timed its stages on this CPU, from those times (finished stages count 0)."""
-    import accounting
-    import bench
+    from core.plan import accounting
+    from lab import bench
 
     stages = lab.lab_stages(tmp_path, str(tmp_path / "data"), "report", str(tmp_path / "text"))
     todo = [s for s in stages if not s.optional]
@@ -215,7 +216,7 @@ def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path
 def test_bench_lenet_takes_a_finished_default_run_as_its_seed_0_only_when_it_is_one(tmp_path):
     """The lab's lenet-relu run is the bench's default_seed0 (the same training); another recipe, an unfinished run
     or another device is trained again."""
-    import bench
+    from lab import bench
 
     cfg = Config()
     whole = cfg.epochs * steps_per_epoch(60_000, cfg, 1)

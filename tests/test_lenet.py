@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_summary, run_in_process, run_script
-import warm_python
 import fabric_lenet
-import cpu_probe
-import hardware
-import lenet_figures
+from conftest import REPO, read_summary, run_in_process, run_script
+from core.lenet import cpu_speed
+from core.lenet import figures as lenet_figures
+from core.run import hardware, warm_python
 from datasets_local import BACKGROUND, random_shift
 from fabric_lenet import Config, LeNet5, epoch_order
 
@@ -71,8 +70,8 @@ def test_tensorboard_images_show_the_real_channels_only(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
+    from core.lenet.figures import log_images
     from fabric_lenet import evaluate
-    from lenet_figures import log_images
 
     model = LeNet5(Config())
     x, y = torch.randn(40, 1, 28, 28), torch.randint(0, 10, (40,))
@@ -215,29 +214,29 @@ def test_auto_precision_takes_the_faster_measured_step_and_caches_it(tmp_path):
     def timings(fp32, bf16):
         return lambda: calls.append(1) or {"32-true": fp32, "bf16-mixed": bf16}
 
-    key = cpu_probe.lenet_probe_key(Config())
-    first = cpu_probe.choose_precision(key, cache, timings(100.0, 130.0))
+    key = cpu_speed.lenet_probe_key(Config())
+    first = cpu_speed.choose_precision(key, cache, timings(100.0, 130.0))
     assert first["choice"] == "bf16-mixed" and not first["cached"] and len(calls) == 1
-    again = cpu_probe.choose_precision(key, cache, timings(130.0, 100.0))  # not called: the cache answers
+    again = cpu_speed.choose_precision(key, cache, timings(130.0, 100.0))  # not called: the cache answers
     assert again["choice"] == "bf16-mixed" and again["cached"] and len(calls) == 1
     other = {**key, "local_batch": key["local_batch"] // 2}
-    assert cpu_probe.choose_precision(other, cache, timings(130.0, 100.0))["choice"] == "32-true"
+    assert cpu_speed.choose_precision(other, cache, timings(130.0, 100.0))["choice"] == "32-true"
     assert len(calls) == 2
     cache.write_text("{not json")  # a damaged cache is measured again, not an error
-    assert cpu_probe.choose_precision(key, cache, timings(1.0, 2.0))["choice"] == "bf16-mixed" and len(calls) == 3
+    assert cpu_speed.choose_precision(key, cache, timings(1.0, 2.0))["choice"] == "bf16-mixed" and len(calls) == 3
 
 
 def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatch):
     for cap in hardware.isa_caps():  # a suite run under caps (docs/tests.md)
         monkeypatch.delenv(cap)
-    base = cpu_probe.lenet_probe_key(Config())
+    base = cpu_speed.lenet_probe_key(Config())
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert cpu_probe.lenet_probe_key(Config()) != base  # a cap picks other kernels: measured again
+    assert cpu_speed.lenet_probe_key(Config()) != base  # a cap picks other kernels: measured again
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert base["local_batch"] == 512 and base["cpu"] and base["torch"] == torch.__version__
-    assert cpu_probe.lenet_probe_key(Config(devices=2))["local_batch"] == 256
-    assert cpu_probe.lenet_probe_key(Config(channels_last=False)) != base
-    assert cpu_probe.lenet_probe_key(Config(activation="gelu_py")) != base
+    assert cpu_speed.lenet_probe_key(Config(devices=2))["local_batch"] == 256
+    assert cpu_speed.lenet_probe_key(Config(channels_last=False)) != base
+    assert cpu_speed.lenet_probe_key(Config(activation="gelu_py")) != base
 
 
 def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp_path):
@@ -333,7 +332,7 @@ def test_a_nan_in_lenet_is_named_by_its_step_at_the_next_check_point(mnist_dir, 
 
 COMPILED_SOFTMAX = """
 import torch
-import hardware
+from core.run import hardware
 
 hardware.compile_cache_per_caps()
 x = torch.randn(64, 100, generator=torch.Generator().manual_seed(0))

@@ -8,12 +8,11 @@ import re
 import time
 
 import pytest
-
-from conftest import free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes, wait_for_checkpoint
-import warm_python
 from test_resume import assert_same_run
 
-import ranks
+from conftest import (free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes,
+                      wait_for_checkpoint)
+from core.run import ranks, warm_python
 
 LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
          "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp"]
@@ -208,7 +207,8 @@ def test_torchrun_as_gpt_sbatch_documents_it_hands_slurms_signals_on(tmp_path):
 
 
 ANOTHER_RANK_FIRST = """
-import os, signal, stops
+import os, signal
+from core.run import stops
 stop = stops.StopRequest().listen("USR1")
 stop.signal_name = "SIGINT"  # what requested() records when the step's all-reduce says another rank was signalled
 os.kill(os.getpid(), signal.SIGINT)  # then this rank's own Ctrl-C, later (a loaded machine): its first
@@ -236,7 +236,7 @@ def test_a_ranks_own_signal_after_the_stop_another_rank_began_is_its_first():
 
 FLOODED_REQUEUES = """
 import os, signal, sys
-import stops
+from core.run import stops
 seen = []
 signal.signal(signal.SIGTERM, lambda *_: seen.append(1))
 print("ready", flush=True)
@@ -256,8 +256,9 @@ def test_a_launchers_stop_to_the_rank_never_ends_scontrol_mid_requeue(tmp_path):
     import subprocess
     import threading
 
-    from conftest import REPO
     from test_gpt import slurm_job
+
+    from conftest import REPO
 
     proc = subprocess.Popen([warm_python.executable(), "-c", FLOODED_REQUEUES], cwd=REPO, env=slurm_job(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -7,13 +7,10 @@ import json
 
 import pytest
 
-from conftest import run_in_process
-import accounting
-import cpu_probe
 import fabric_gpt as gpt
-import gpt_figures
-import layout
-import perf_model
+from conftest import run_in_process
+from core.plan import accounting, cpu_probe, gpt_figures, perf_model
+from core.run import layout, measurements
 
 ONE_GB = perf_model.GB
 # A made-up node whose figures make the arithmetic easy to follow
@@ -132,17 +129,17 @@ def test_a_gpu_run_records_its_predicted_step_beside_the_measured():
     assert gpt_figures.predicted_step(cfg, {"device": "cuda", "device_name": "Tesla T4"}, n) is None
 
 
-# ----------------------------------------------------------------------------- this CPU, measured (cpu_probe.py)
+# ----------------------------------------------------------------------------- this CPU, measured (cpu_probe.py, measurements.py)
 def test_cpu_measurements_are_cached_per_machine_and_instruction_set(tmp_path, monkeypatch):
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     calls = []
     measure = lambda: calls.append(1) or 0.5  # noqa: E731
-    assert cpu_probe.cached("x", {"n": 1}, measure) == 0.5 and cpu_probe.cached("x", {"n": 1}, measure) == 0.5
+    assert measurements.cached("x", {"n": 1}, measure) == 0.5 and measurements.cached("x", {"n": 1}, measure) == 0.5
     assert len(calls) == 1 and (tmp_path / "cpu-probe.json").exists()
-    assert cpu_probe.cached("x", {"n": 2}, measure, allow_measure=False) is None and len(calls) == 1
+    assert measurements.cached("x", {"n": 2}, measure, allow_measure=False) is None and len(calls) == 1
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # another instruction set is another machine
-    assert cpu_probe.cached("x", {"n": 1}, measure) == 0.5 and len(calls) == 2
+    assert measurements.cached("x", {"n": 1}, measure) == 0.5 and len(calls) == 2
 
 
 def test_a_short_measurement_never_waits_for_the_cache_and_is_stored_when_it_is_free(tmp_path, monkeypatch):
@@ -153,10 +150,10 @@ def test_a_short_measurement_never_waits_for_the_cache_and_is_stored_when_it_is_
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
     with open(tmp_path / "cpu-probe.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert cpu_probe.cached_unlocked("peak", {"n": 1}, lambda: 7) == 7
-    assert cpu_probe.cached("peak", {"n": 1}, None, allow_measure=False) is None
-    assert cpu_probe.cached_unlocked("peak", {"n": 1}, lambda: 8) == 8
-    assert cpu_probe.cached_unlocked("peak", {"n": 1}, lambda: 9) == 8
+        assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 7) == 7
+    assert measurements.cached("peak", {"n": 1}, None, allow_measure=False) is None
+    assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 8) == 8
+    assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 9) == 8
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "pp", "fsdp_tp", "deepspeed_stage_1",
@@ -199,11 +196,11 @@ def test_a_cpu_plan_is_its_measured_parts_and_speaks_of_this_cpu(tmp_path):
     bigger = perf_model.time_plan(dataclasses.replace(cfg, micro_batch_size=16), cluster, n)["cpu_step"]
     assert bigger["fixed_s"] == parts["fixed_s"] and bigger["work_s"] > again["work_s"]
     # --search and a run's own estimate measure nothing: what is not cached falls back to the lower bound
-    entries = len(json.loads(cpu_probe.cache_file().read_text()))
+    entries = len(json.loads(measurements.cache_file().read_text()))
     unplanned = dataclasses.replace(cfg, n_layer=5)
     assert perf_model.time_plan(unplanned, dataclasses.replace(cluster, probe="cached"), n)["cpu_step"] is None
     perf_model.search(cfg, cluster)
-    assert len(json.loads(cpu_probe.cache_file().read_text())) == entries
+    assert len(json.loads(measurements.cache_file().read_text())) == entries
 
 
 @pytest.mark.parametrize("nodes,micro,published", [(48, 4, 144), (96, 2, 88), (192, 1, 44)])

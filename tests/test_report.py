@@ -9,10 +9,8 @@ import matplotlib.image
 import pytest
 
 from conftest import run_in_process, run_script, shared_dir
-
-import bench
-import report
 from fabric_lenet import Config
+from lab import bench, report
 
 
 def bench_lenet_in_process(runs, mnist_dir):
@@ -37,7 +35,7 @@ def make_runs(runs, mnist_dir):
     run_in_process("fabric_lenet.py", "--epochs", "1", "--train-samples", "12000", "--data-dir", mnist_dir,
                "--out-dir", runs, "--run-name", "lenet-short")
     run_script("-m", "gelu_ext", "check", "--out", runs / "gelu")
-    run_script("bench.py", "--out-dir", runs, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
+    run_script("-m", "lab.bench", "--out-dir", runs, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
                "--num-samples", "32", "--strategies", "ddp", "--precisions", "32-true")
     bench_lenet_in_process(runs, mnist_dir)
 
@@ -140,7 +138,7 @@ def test_half_written_and_old_runs_give_notes(runs, tmp_path):
 def test_a_failed_case_of_the_gpt_sweep_shows_what_its_rank_said(tmp_path):
     """bench.py starts a case's ranks side by side under torchrun: a case that fails shows rank 0's own last line in
     the table, not torchrun's report of the failure, which follows it on torchrun's stderr."""
-    run_script("bench.py", "--out-dir", tmp_path, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
+    run_script("-m", "lab.bench", "--out-dir", tmp_path, "gpt", "--model", "tiny", "--devices", "2", "--accelerator", "cpu",
                "--num-samples", "32", "--strategies", "ddp", "--precisions", "32-true", "--", "--tp-size", "2")
     out = tmp_path / "bench-gpt-tiny-2xcpu"
     [row] = json.loads((out / "bench.json").read_text())["rows"]
@@ -150,7 +148,7 @@ def test_a_failed_case_of_the_gpt_sweep_shows_what_its_rank_said(tmp_path):
 
 def test_benchmark_output_flags_work_before_and_after_the_command():
     """`make bench-lenet ARGS="--out-dir d"` puts the flag after the command; make lab puts it before."""
-    import bench
+    from lab import bench
 
     after = bench.parse_args(["lenet", "--out-dir", "d", "--keep", "--seeds", "2"])
     before = bench.parse_args(["--out-dir", "e", "gpt", "--model", "tiny"])

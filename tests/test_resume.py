@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_summary, run_in_process, run_script, shared_dir, wait_for_checkpoint
-import warm_python
+from core.run import warm_python
 
 # 2 epochs of 47 steps (batch 128); a checkpoint every 8 steps, so a cut lands mid-epoch and the resume crosses an
 # epoch boundary; default precision (bf16 autocast) and augmentation.
@@ -228,7 +228,7 @@ def test_ctrl_c_twice_during_a_save_ends_the_run_at_once_in_one_line(tmp_path, m
     """Ctrl-C while step 4's checkpoint is written, then Ctrl-C again before it is done: the run ends there, exit 130,
     with one line saying so, no traceback; step 2's checkpoint stays whole, step 4's half-written save stays a
     `.partial` folder, and --resume auto continues from step 2."""
-    import checkpoints
+    from core.run import checkpoints
 
     write = checkpoints.Checkpoints._write
 
@@ -258,7 +258,7 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
     the last complete checkpoint and the resume command; exit 1; no partial folder; the run resumes from step 2."""
     import errno
 
-    import checkpoints
+    from core.run import checkpoints
 
     write = checkpoints.Checkpoints._write
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_in_process, run_script
-import warm_python
-import bench
 import fabric_gpt as gpt
-import text_corpus as tc
+from conftest import REPO, run_in_process, run_script
+from core.gpt import text_corpus as tc
+from core.run import warm_python
+from lab import bench
 
 
 def text_mirror() -> Path | None:
@@ -198,7 +198,7 @@ def test_processes_that_start_together_prepare_once_and_share_it(tmp_path):
     """Three processes (as ranks or nodes on a shared disk) ask for the same corpus at once: one trains the BPE and
     writes the files, the others wait on the lock and read the same folder."""
     corpus = write(tmp_path / "corpus.txt", SAMPLE_TEXT * 20)
-    code = (f"import text_corpus as tc; p = tc.prepare({str(corpus)!r}, 'bpe', 400, {str(tmp_path / 'data')!r}); "
+    code = (f"from core.gpt import text_corpus as tc; p = tc.prepare({str(corpus)!r}, 'bpe', 400, {str(tmp_path / 'data')!r}); "
             "print(p.folder, p.tokenizer_sha256)")
     procs = [subprocess.Popen([warm_python.executable(), "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
@@ -239,14 +239,14 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
 
     events = EventAccumulator(str(tmp_path / "t")).Reload()
     assert [e.step for e in events.Scalars("val/loss")] == [12, 24]
-    first = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
+    first = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
                            "--max-new-tokens", "40", "--seed", "7")
-    again = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
+    again = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "t", "--prompt", "ROMEO:",
                            "--max-new-tokens", "40", "--seed", "7")
     text = first.stdout.split(":\n\n", 1)[1]
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:") + 30
     assert first.stdout == again.stdout  # seeded
-    greedy = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
+    greedy = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
                             "--max-new-tokens", "20")
     assert "step-00000024 (step 24)" in greedy.stdout
     from transformers import AutoModelForCausalLM, AutoTokenizer  # the exported folder carries the tokenizer
@@ -254,7 +254,7 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
     hf_tok, hf_model = AutoTokenizer.from_pretrained(tmp_path / "t" / "hf"), AutoModelForCausalLM.from_pretrained(tmp_path / "t" / "hf")
     assert hf_tok.decode(hf_tok("ROMEO:\nWhat?")["input_ids"]) == "ROMEO:\nWhat?" and hf_model.config.vocab_size == 85
     assert_generates_as_its_users_load_it(tmp_path / "t" / "hf", eot=84, dtype=torch.float32)
-    import report
+    from lab import report
 
     report.main(["--runs", str(tmp_path), "--out", str(tmp_path / "report")])
     written = (tmp_path / "report" / "REPORT.md").read_text()
@@ -287,7 +287,7 @@ def test_a_bpe_run_in_bf16_exports_a_folder_in_bf16_with_its_end_of_text(tmp_pat
             "--steps", "4", "--out-dir", tmp_path, "--run-name", "b", "--export"]
     run_in_process("fabric_gpt.py", *args)
     assert_generates_as_its_users_load_it(tmp_path / "b" / "hf", eot=0, dtype=torch.bfloat16)
-    import hf_export
+    from core.gpt import hf_export
 
     hf_export.main([str(tmp_path / "b"), "--dtype", "float32"])  # again, from the checkpoint, in float32
     assert_generates_as_its_users_load_it(tmp_path / "b" / "hf", eot=0, dtype=torch.float32)
@@ -365,7 +365,7 @@ def test_bad_text_input_ends_in_one_message(tmp_path, text_dir, args, message):
 def test_sampling_a_run_without_text_says_why(tmp_path):
     run_in_process("fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--num-samples", "8", "--out-dir", tmp_path,
                    "--run-name", "rnd")
-    proc = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "rnd", check=False)
+    proc = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "rnd", check=False)
     assert proc.returncode == 1 and "was not trained on text" in proc.stderr
 
 
@@ -389,9 +389,9 @@ def test_every_strategy_sees_the_same_text_and_validation(tmp_path, text_dir, st
     assert [l for _, l in two["losses"]] == pytest.approx([l for _, l in one["losses"]], rel=1e-4)
     assert [v for _, v in two["val_losses"]] == pytest.approx([v for _, v in one["val_losses"]], rel=1e-4)
     assert len(one["val_losses"]) == 2 and one["val_losses"][-1][1] < one["val_losses"][0][1]
-    sample = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "two", "--max-new-tokens",
+    sample = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "two", "--max-new-tokens",
                             "10", "--top-k", "1")
-    greedy_one = run_in_process("sample.py", "--out-dir", tmp_path, "--run-name", "one",
+    greedy_one = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "one",
                                 "--max-new-tokens", "10", "--top-k", "1")
     assert sample.stdout.split(":\n\n", 1)[1] == greedy_one.stdout.split(":\n\n", 1)[1]  # gathered weights, same text
 
@@ -427,7 +427,7 @@ def test_beta2_reaches_adamw_and_a_run_saved_before_it_existed_resumes(tmp_path)
 def test_the_nanogpt_bench_races_the_same_recipe_on_the_same_windows(tmp_path, text_dir):
     """`bench.py text` cut to a few steps: nanoGPT's loop and fabric_gpt.py train nanoGPT's recipe on the same
     prepared tokens and are scored on the same fixed validation windows (the speed is the benchmark's, not the test's)."""
-    run_script("bench.py", "--out-dir", tmp_path, "text", "--steps", "6", "--eval-windows", "24", "--data-dir", text_dir)
+    run_script("-m", "lab.bench", "--out-dir", tmp_path, "text", "--steps", "6", "--eval-windows", "24", "--data-dir", text_dir)
     bench_json = json.loads((tmp_path / "bench-text" / "bench.json").read_text())
     reference = bench_json["results"]["nanoGPT (nanogpt_reference.py)"][0]
     ours = json.loads((tmp_path / "bench-text" / "eager-0" / "record.json").read_text())

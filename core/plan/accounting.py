@@ -9,10 +9,10 @@ import time
 import psutil
 import torch
 
-from flags import ConfigError
-from gpt_model import SDPA_FLOAT32, count_parameters
-from layout import layout
-from strategies import deepspeed_on_cpu, fsdp_gathers_bf16
+from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters
+from core.gpt.strategies import deepspeed_on_cpu, fsdp_gathers_bf16
+from core.run import measurements
+from core.run.flags import ConfigError
 
 # Dense (not sparse) peak FLOP/s per GPU from NVIDIA's datasheets, for the dtype the matmuls run in.
 # Lightning's get_available_flops lists some sparse figures (H100 NVL, H200) and misses names, so it is not used.
@@ -75,20 +75,16 @@ def cpu_matmul_peak(precision: str) -> tuple[float, str]:
     the run's matmuls may take: GPT-2's Conv1D runs `addmm`, which on a CPU without bf16 instructions can be 20x
     faster than a bf16 `matmul`, and autocast keeps some products in float32; a peak from one slow path made
     utilizations of 160-708% (an AVX2 CPU). MFU is against the fastest, so it stays a share. Measured once per
-    machine, precision and thread count (cpu_probe's cache): on that AVX2 CPU it took 20 s of every bf16 run."""
-    import cpu_probe
-
+    machine, precision and thread count (core/run/measurements.py's cache): on that AVX2 CPU it took 20 s of every bf16 run."""
     measure = lambda: list(_measure_matmul_peak(precision, PEAK_PROBE_N, PEAK_PROBE_SECONDS))  # noqa: E731
-    return tuple(cpu_probe.cached_unlocked("matmul_peak", matmul_peak_settings(precision), measure))
+    return tuple(measurements.cached_unlocked("matmul_peak", matmul_peak_settings(precision), measure))
 
 
 def forget_cpu_matmul_peak(precision: str) -> None:
     """A run on this CPU outran its cached peak (MFU above 100%): the probe ran under more load than the run's steps
     (another job on these cores: 2 tests side by side measured 68-72 GFLOP/s on one core of an AVX-512 EPYC, alone
     106). Dropped, so that the next run measures it again rather than inflate every MFU after it."""
-    import cpu_probe
-
-    cpu_probe.forget("matmul_peak", matmul_peak_settings(precision))
+    measurements.forget("matmul_peak", matmul_peak_settings(precision))
 
 
 def matmul_peak_settings(precision: str) -> dict:
@@ -163,7 +159,7 @@ def weight_bytes(cfg) -> int:
     """Bytes per parameter (and gradient) as a run keeps them: 2 where the weights themselves are 16-bit (DeepSpeed
     runs the model in its 16-bit precision; bf16-true everywhere), else 4 (autocast keeps float32 weights)."""
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    return 2 if (half and layout(cfg).deepspeed) or cfg.precision == "bf16-true" else 4
+    return 2 if (half and cfg.layout.deepspeed) or cfg.precision == "bf16-true" else 4
 
 
 def block_params(h: int) -> int:
@@ -177,7 +173,7 @@ def largest_layer_params(cfg) -> int:
 def model_states(cfg, P: int) -> dict:
     """Bytes per device of weights, gradients and optimizer state. 16-bit DeepSpeed follows its own
     estimate_zero2/3_model_states_mem_needs; the rest counts what each strategy keeps on a rank."""
-    lay = layout(cfg)
+    lay = cfg.layout
     N, stage, offload = lay.world, lay.zero_stage, lay.offload
     per = weight_bytes(cfg)
     h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
@@ -222,7 +218,7 @@ def model_states(cfg, P: int) -> dict:
 def held_states_plan(cfg, P: int) -> dict:
     """The plan of what held_bytes measures: weights, fp32 master weights and optimizer moments one rank holds,
     wherever they live (the device, or the host under ZeRO-Offload, where the device plan counts none)."""
-    lay = layout(cfg)
+    lay = cfg.layout
     if not lay.deepspeed:
         states = model_states(cfg, P)
         return {k: states[k] for k in ("params", "master", "optimizer")}
@@ -250,7 +246,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
-    lay = layout(cfg)
+    lay = cfg.layout
     autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not lay.deepspeed
     w = 2 if half else 4
     r = 4 if (autocast or not half) and not fsdp_gathers_bf16(cfg) else 2  # bf16 gathers: bf16 inside the blocks
@@ -296,7 +292,7 @@ def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
     plan = {**states, **acts, "activations": activations, "total": sum(states.values()) + activations,
             "n_params": n_params, "largest_layer_params": largest_layer_params(cfg),
             "model_states": sum(states.values()) - states["gathered_layer"]}
-    lay = layout(cfg)
+    lay = cfg.layout
     if lay.pipeline:
         m, p = cfg.grad_accum, lay.pp_size
         plan["bubble_fraction"] = (p - 1) / (m + p - 1)
@@ -330,7 +326,7 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
       offload       CPU offload: fp32 master weights, Adam's moments and fp32 gradients of the partition (and the
                     16-bit weights under ZeRO-3); NVMe: the partition's fp32 gradient, fp32 and 16-bit weights
                     (measured: DeepSpeed keeps them in host memory) and ZeRO-Infinity's sub-group and swap buffers"""
-    lay = layout(cfg)
+    lay = cfg.layout
     dp, stage = lay.dp_size, lay.zero_stage
     word = weight_bytes(cfg)
     partition = n_params / dp
@@ -389,7 +385,7 @@ def process_baseline() -> float:
 
 def deepspeed_estimate(cfg, n_params: int) -> float | None:
     """DeepSpeed's own per-GPU model-state estimate for ZeRO-2/3 (it has none for stage 1)."""
-    stage, offload = layout(cfg).zero_stage, layout(cfg).offload
+    stage, offload = cfg.layout.zero_stage, cfg.layout.offload
     if not torch.cuda.is_available():
         deepspeed_on_cpu()  # the first import of DeepSpeed in a plan: its accelerator named, not searched for
     if stage == 2:
@@ -438,7 +434,7 @@ def device_plan(cfg, on_gpu: bool, counted: tuple[int, str] | None = None) -> di
 def host_plan(cfg, on_gpu: bool, counted: tuple[int, str] | None = None, device: dict | None = None) -> dict:
     """Host RAM per process and for this machine's processes (host_memory_plan), from the device plan
     (made here unless the caller has it)."""
-    if layout(cfg).deepspeed:
+    if cfg.layout.deepspeed:
         if not (on_gpu and torch.cuda.is_available()):
             deepspeed_on_cpu()  # its accelerator named, not searched for with a warning
         import deepspeed  # noqa: F401  (imported by every rank anyway: its memory belongs to the baseline)

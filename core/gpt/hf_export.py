@@ -1,6 +1,6 @@
 """A trained GPT-2 as a Hugging Face model folder that the tools people already use load as they are:
 
-    python hf_export.py runs/<run>          # the run's newest checkpoint (any strategy) -> runs/<run>/hf/
+    python -m core.gpt.hf_export runs/<run> # the run's newest checkpoint (any strategy) -> runs/<run>/hf/
     make export RUN=<run>                   # the same
     python fabric_gpt.py ... --export       # at the end of a run, from the live model
 
@@ -16,11 +16,11 @@ import contextlib
 import shutil
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-import gpt_model
+from core.gpt import gpt_model
+from core.run.layout import saved_config
 
 SHARD = "2GB"  # save_pretrained's shards: serializing one holds its bytes once more, so small ones keep the peak low
 
@@ -91,7 +91,7 @@ def run_tokenizer(run_dir: Path, cfg):
         return None
     from transformers import PreTrainedTokenizerFast
 
-    import text_corpus
+    from core.gpt import text_corpus
 
     eot = text_corpus.END_OF_TEXT
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=eot, bos_token=eot, pad_token=eot,
@@ -115,8 +115,8 @@ def export_run(run_dir, dtype: str = "auto") -> Path:
     """The newest complete checkpoint of a run, whatever its strategy, as runs/<run>/hf/."""
     import json
 
-    import strategies
-    from checkpoints import Checkpoints
+    from core.gpt import strategies
+    from core.run.checkpoints import Checkpoints
 
     run_dir = Path(run_dir)
     checkpoints = Checkpoints(run_dir / "checkpoints").complete()
@@ -124,7 +124,7 @@ def export_run(run_dir, dtype: str = "auto") -> Path:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint to export (runs/<run>/checkpoints/step-N); "
                                 f"train it first, or pass the run's folder")
     newest = checkpoints[-1]
-    cfg = SimpleNamespace(**json.loads((newest / "config.json").read_text()))
+    cfg = saved_config(json.loads((newest / "config.json").read_text()))
     if getattr(cfg, "kind", "gpt") != "gpt":
         raise ValueError(f"{run_dir} is a {cfg.kind} run; only GPT-2 runs export to Hugging Face")
     if getattr(cfg, "nvme_path", ""):  # DeepSpeed's NVMe-offload checkpoint keeps empty placeholders for the states
@@ -137,9 +137,9 @@ def export_run(run_dir, dtype: str = "auto") -> Path:
 
 
 def build_parser():
-    from flags import Folder, Parser, choice
+    from core.run.flags import Folder, Parser, choice
 
-    parser = Parser(description=__doc__, prog="hf_export.py")
+    parser = Parser(description=__doc__, prog="python -m core.gpt.hf_export")
     parser.add_argument("run", type=Folder(create=False), help="a GPT-2 run folder with a checkpoint (runs/<run>)")
     parser.add_argument("--dtype", default="auto", type=choice(("auto", *EXPORT_DTYPES)), help="the weights' dtype "
                         "(default: auto, the run's training dtype: bfloat16 for bf16 runs, float16 for 16-mixed)")

@@ -1,6 +1,5 @@
-"""Checkpoints and the files of a run, written so that a reader never sees half of one: every file goes through a
-temporary name, fsync and rename (`write_atomic`: the one writer of the repository's JSON records, downloads and
-checkpoint folders), and a checkpoint is a numbered folder completed by a rename once every rank has written.
+"""Checkpoints, written so that a reader never sees half of one: a checkpoint is a numbered folder completed by a
+rename once every rank has written (its files through files.write_atomic or fabric.save).
 
     runs/<run>/checkpoints/step-00001234/   state (fabric.save: one file, or a folder of shards) and config.json
 
@@ -14,16 +13,15 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import zipfile
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from ranks import any_rank
+from core.run.files import PARTIAL, write_json_atomic
+from core.run.ranks import any_rank
 
-PARTIAL = ".partial"
 RECORD = "record.json"
 STEP_DIR = re.compile(r"step-(\d{8})$")
 
@@ -34,28 +32,6 @@ class ResumeError(RuntimeError):
 
 class DiskFull(RuntimeError):
     """A checkpoint or record could not be written for lack of space: nothing complete was lost."""
-
-
-# ----------------------------------------------------------------------------- atomic files
-def write_atomic(path, data: bytes) -> None:
-    """Temporary file in the same folder, fsync, rename: a reader sees the old file or the new one, never half of
-    one, and a full disk or a signal leaves no temporary file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path, obj) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, default=str).encode())
 
 
 def read_record(run_dir) -> dict | None:

@@ -2,8 +2,11 @@
 (data, tensor and pipeline parallel sizes), what is sharded (ZeRO's stage, FSDP) and what is offloaded. Every
 other module reads these attributes; only this one reads the strategy's name.
 
-    L = layout(cfg)          # cfg: fabric_gpt's or fabric_lenet's Config (or anything with the same fields)
-    L.world, L.dp_size, L.tp_size, L.pp_size, L.zero_stage, L.offload, L.deepspeed, L.fsdp, L.pipeline ...
+It is built once, where the flags become a run's configuration, and travels with it (as torchtitan's ParallelDims):
+both scripts' Config classes are `Parallel`, so every config, and every copy `dataclasses.replace` makes of one,
+carries the layout of its own flags; a config read back from a checkpoint gets its own from `saved_config`.
+
+    cfg.layout.world, .dp_size, .tp_size, .pp_size, .zero_stage, .offload, .deepspeed, .fsdp, .pipeline ...
 
     auto                 one process (or Fabric's default for several)
     ddp                  replicated model, gradients all-reduced (Fabric's DDPStrategy)
@@ -18,8 +21,9 @@ other module reads these attributes; only this one reads the strategy's name.
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 
-from flags import ConfigError
+from core.run.flags import ConfigError
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
               "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
@@ -84,7 +88,8 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(strategy: str, devices: int, num_nodes: int, tp_size: int, pp_size: int) -> Layout:
+def layout(strategy: str, devices: int, num_nodes: int = 1, tp_size: int = 0, pp_size: int = 0) -> Layout:
+    """The layout of these flags (--strategy, --devices, --num-nodes, --tp-size, --pp-size; 0: all processes)."""
     world = devices * num_nodes
     deepspeed = strategy.startswith("deepspeed")
     return Layout(strategy, world,
@@ -94,15 +99,30 @@ def _layout(strategy: str, devices: int, num_nodes: int, tp_size: int, pp_size: 
                   offload=strategy.endswith("_offload"))
 
 
-def layout(cfg) -> Layout:
-    """The layout of cfg's flags (--strategy, --devices, --num-nodes, --tp-size, --pp-size): built once for each
-    distinct set of them."""
-    return _layout(cfg.strategy, cfg.devices, cfg.num_nodes, getattr(cfg, "tp_size", 0), getattr(cfg, "pp_size", 0))
+def of_flags(cfg) -> Layout:
+    """The layout of a config's parallel flags (LeNet-5's have no --tp-size or --pp-size)."""
+    return layout(cfg.strategy, cfg.devices, getattr(cfg, "num_nodes", 1), getattr(cfg, "tp_size", 0),
+                  getattr(cfg, "pp_size", 0))
+
+
+class Parallel:
+    """A dataclass config whose layout is built from its flags when it is made: `cfg.layout`. A config is made anew
+    (dataclasses.replace) rather than changed in place where its parallel flags change, so the two always agree."""
+
+    def __post_init__(self):
+        self.layout = of_flags(self)
+
+
+def saved_config(config: dict) -> SimpleNamespace:
+    """A run's config as its checkpoint saved it (config.json), with the layout it ran under."""
+    saved = SimpleNamespace(**config)
+    saved.layout = of_flags(saved)
+    return saved
 
 
 def check_sizes(cfg) -> None:
     """Refuse --tp-size and --pp-size that do not fit the strategy, the processes or the model, with the fix."""
-    L = layout(cfg)
+    L = cfg.layout
     if cfg.tp_size and not L.tensor_parallel:
         raise ConfigError(f"--tp-size applies to --strategy tp or fsdp_tp, not {cfg.strategy}; drop it or pick one of those")
     if cfg.pp_size and not L.pipeline:
@@ -131,20 +151,18 @@ def check_sizes(cfg) -> None:
                               f"micro-batches per step (they are what flows through the stages); use --grad-accum {p} or more")
 
 
-def search_layouts(devices: int, num_nodes: int, n_head: int, n_layer: int) -> list[Layout]:
-    """Every layout `--search` weighs on devices x num_nodes: one device alone; else data parallel, FSDP and each ZeRO
-    stage (with offload), tensor parallel inside one node, fsdp_tp for each tensor-parallel group of a node's devices,
-    and pp for each stage count that divides the processes."""
-    world = _layout("auto", devices, num_nodes, 0, 0).world
-    if world == 1:
-        return [_layout("auto", 1, 1, 0, 0)]
-    names = ["ddp", "fsdp", *(s for s in STRATEGIES if s.startswith("deepspeed"))]
-    found = [_layout(s, devices, num_nodes, 0, 0) for s in names]
-    if world <= devices and n_head % world == 0:
-        found.append(_layout("tp", devices, num_nodes, 0, 0))
-    found += [_layout("fsdp_tp", devices, num_nodes, t, 0) for t in divisors(devices) if 1 < t < world and n_head % t == 0]
-    found += [_layout("pp", devices, num_nodes, 0, p) for p in divisors(world) if 1 < p <= n_layer]
-    return found
+def search_layouts(cfg) -> list[Layout]:
+    """Every layout `--search` weighs on cfg's devices and nodes: one device alone; else data parallel, FSDP and each
+    ZeRO stage (with offload), tensor parallel inside one node, fsdp_tp for each tensor-parallel group of a node's
+    devices, and pp for each stage count that divides the processes."""
+    devices, num_nodes, world, n_head, n_layer = cfg.devices, cfg.num_nodes, cfg.layout.world, cfg.n_head, cfg.n_layer
+    names = ["ddp", "fsdp", *(s for s in STRATEGIES if s.startswith("deepspeed"))] if world > 1 else ["auto"]
+    found = [(s, 0, 0) for s in names]  # (strategy, tp_size, pp_size)
+    if 1 < world <= devices and n_head % world == 0:
+        found.append(("tp", 0, 0))
+    found += [("fsdp_tp", t, 0) for t in divisors(devices) if 1 < t < world and n_head % t == 0]
+    found += [("pp", 0, p) for p in divisors(world) if 1 < p <= n_layer]
+    return [layout(s, devices, num_nodes, t, p) for s, t, p in found]
 
 
 def divisors(n: int) -> list[int]:

@@ -9,9 +9,8 @@ from contextlib import nullcontext
 
 import torch
 
-import cpu_probe
-from hardware import sdpa_kernel
-from layout import layout
+from core.run.hardware import sdpa_kernel
+from core.run.measurements import cached, rank_threads, seconds_per_call, threads
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
 PRESETS = {
@@ -34,7 +33,7 @@ def gpt2_config(cfg, attention: str | None = None, end_of_text: int | None = Non
 
     eot = cfg.vocab_size - 1 if end_of_text is None else end_of_text
     # GPT-2's tanh GELU as one kernel: the same function as gelu_new, whose eight elementwise ops took 15% of a CPU
-    # step of the nanoGPT recipe (python bench.py text) and saved 12 of a block's 112 bytes per element for backward
+    # step of the nanoGPT recipe (python -m lab.bench text) and saved 12 of a block's 112 bytes per element for backward
     return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
                       activation_function="gelu_pytorch_tanh",
                       vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
@@ -47,7 +46,7 @@ SDPA_FLOAT32 = "sdpa_float32"
 
 def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention computed in float32, outside autocast, for a run whose 16-bit attention is the
-    slower (cpu_probe.float32_attention_faster); the output goes back to the run's dtype for the projection."""
+    slower (float32_attention_faster); the output goes back to the run's dtype for the projection."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     with torch.autocast(query.device.type, enabled=False):
@@ -88,7 +87,7 @@ def build_model(cfg, fabric=None):
         from transformers.modeling_utils import no_init_weights
 
     torch.manual_seed(cfg.seed)
-    partitioned = fabric is not None and layout(cfg).zero_stage == 3
+    partitioned = fabric is not None and cfg.layout.zero_stage == 3
     # transformers' own initialisation would draw every weight that fill_initial_weights then draws again (0.75 s
     # of CPU for GPT-2 small's width with 4 blocks, the embedding most of it)
     with fabric.init_module(empty_init=True) if partitioned else nullcontext(), no_init_weights():
@@ -131,8 +130,8 @@ def fill_initial_weights(model, cfg, partitioned: bool) -> None:
 
 
 def math_dtype(cfg) -> torch.dtype:
-    """The dtype the run's matmuls compute in: autocast's, else the weights' (cpu_probe.compute_dtype)."""
-    weights, autocast = cpu_probe.compute_dtype(cfg.precision, layout(cfg).deepspeed)
+    """The dtype the run's matmuls compute in: autocast's, else the weights' (compute_dtype)."""
+    weights, autocast = compute_dtype(cfg.precision, cfg.layout.deepspeed)
     return autocast or weights
 
 
@@ -145,9 +144,9 @@ def resolve_attention(cfg, on_gpu: bool) -> str:
     half = math_dtype(cfg)
     if on_gpu or half == torch.float32:
         return "autocast"
-    faster = cpu_probe.float32_attention_faster(cfg.n_head // layout(cfg).tp_size, cfg.seq_len,
+    faster = float32_attention_faster(cfg.n_head // cfg.layout.tp_size, cfg.seq_len,
                                                 cfg.n_embd // cfg.n_head, cfg.micro_batch_size, half,
-                                                cpu_probe.rank_threads(cfg.devices))
+                                                rank_threads(cfg.devices))
     return "float32" if faster else "autocast"
 
 
@@ -159,6 +158,41 @@ def attention_kernel(cfg, device: torch.device, implementation: str) -> str:
         return f"{implementation} (transformers' own, scores materialised)"
     # --attention-precision float32 (chosen by auto where it measured faster), else the run's matmul dtype
     dtype = torch.float32 if implementation == SDPA_FLOAT32 else math_dtype(cfg)
-    heads, head_dim = cfg.n_head // layout(cfg).tp_size, cfg.n_embd // cfg.n_head
+    heads, head_dim = cfg.n_head // cfg.layout.tp_size, cfg.n_embd // cfg.n_head
     kernel = sdpa_kernel(device, dtype, heads, cfg.seq_len, head_dim, cfg.dropout)
     return f"SDPA {kernel}, {heads} heads x {head_dim} dims x {cfg.seq_len} positions in {str(dtype).split('.')[-1]}"
+
+
+def compute_dtype(precision: str, deepspeed: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the weights' dtype, autocast's dtype or None) of a run: Fabric's *-mixed autocasts float32 weights;
+    DeepSpeed's bf16/fp16 and *-true keep the weights in the 16-bit type itself."""
+    half = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else None
+    if half is None:
+        return torch.float32, None
+    if precision.endswith("-true") or deepspeed:
+        return half, None
+    return torch.float32, half
+
+
+def float32_attention_faster(heads: int, seq_len: int, head_dim: int, micro_batch: int, dtype: torch.dtype,
+                             n_threads: int) -> bool:
+    """Whether SDPA's forward and backward at this shape run faster in float32 than in the run's 16-bit dtype here
+    (cached). On the AVX-512 BF16 EPYC the CPU flash kernel's bf16 backward took 4x its float32 time, more than the
+    bf16 matmuls save; a CPU with AMX or without bf16 instructions may differ, so it is measured, not assumed."""
+    settings = {"heads": heads, "seq_len": seq_len, "head_dim": head_dim, "micro_batch": micro_batch,
+                "dtype": str(dtype), "threads": n_threads}
+    return cached("attention", settings, lambda: _measure_attention(settings, dtype, n_threads))["float32_faster"]
+
+
+def _measure_attention(settings: dict, dtype: torch.dtype, n_threads: int) -> dict:
+    shape = (settings["micro_batch"], settings["heads"], settings["seq_len"], settings["head_dim"])
+    times = {}
+    with threads(n_threads):
+        for name, dt in (("float32", torch.float32), ("16-bit", dtype)):
+            q, k, v = (torch.randn(shape, dtype=dt, requires_grad=True) for _ in range(3))
+
+            def step():
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out.backward(torch.ones_like(out))
+            times[name] = seconds_per_call(step, seconds=0.1)
+    return {"float32_s": times["float32"], "16bit_s": times["16-bit"], "float32_faster": times["float32"] < times["16-bit"]}

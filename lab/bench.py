@@ -1,9 +1,9 @@
 """Benchmarks that print figures (never timed tests). Each run is a real training run of the scripts.
 
-    python bench.py lenet                                   # samples/s of both data paths, time to 99.0%
-    python bench.py gpt --model tiny --devices 2 --accelerator cpu   # strategy x precision sweep
-    python bench.py gpt --model 1.6b --devices 8 --precisions bf16-mixed   # the same on GPUs
-    python bench.py text                                    # nanoGPT's shakespeare_char CPU recipe, against nanoGPT
+    python -m lab.bench lenet                               # samples/s of both data paths, time to 99.0%
+    python -m lab.bench gpt --model tiny --devices 2 --accelerator cpu   # strategy x precision sweep
+    python -m lab.bench gpt --model 1.6b --devices 8 --precisions bf16-mixed   # the same on GPUs
+    python -m lab.bench text                                # nanoGPT's shakespeare_char CPU recipe, against nanoGPT
 
 Results go to runs/bench-lenet/, runs/bench-gpt-<model>-<devices>x<accelerator>/ and runs/bench-text/ (table.md +
 JSON).
@@ -20,24 +20,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps
-from checkpoints import read_record, write_json_atomic
-from layout import layout
-from ranks import cores_per_rank
-import warm_python
+from core.run import warm_python
+from core.run.checkpoints import read_record
+from core.run.files import write_json_atomic
+from core.run.hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps
+from core.run.layout import layout
+from core.run.ranks import cores_per_rank
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run(script: str, args: list, env: dict | None = None, ranks: int = 1) -> tuple[int, str]:
-    """Run a script as a user would; return its exit code and the last line it printed to stderr (a rank's). Several
+    """Run a script (or `-m module`) as a user would; return its exit code and the last line it printed to stderr (a rank's). Several
     ranks start side by side under torchrun, as a user launches them: Fabric's own launcher starts rank 1 only once
     rank 0 has imported everything, 2-5 s a case on 2 cores. Each gets the threads Fabric would give it (torchrun
     would give one), and writes its stderr to a file of its own, so that torchrun's report of a failure does not
     hide what the rank said."""
-    command, env = [sys.executable, script, *map(str, args)], {**os.environ, **(env or {})}
+    command, env = [sys.executable, *script.split(), *map(str, args)], {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as logs:
         if ranks > 1:  # the ranks are this `python` (a table's memory is theirs); the agent, which only starts
             # them, is a warm one where one is at hand (make lab's): an interpreter's start less in every case
@@ -100,7 +100,7 @@ def bench_lenet(args) -> None:
     """Data paths on equal work (the course's per-sample Dataset + DataLoader at batch 64 in float32, with
     0/1/2 workers, against in-memory batches), then the default recipe and the short recipe over several
     seeds: accuracy as mean, std and minimum, throughput, and training time to 99.0% test accuracy."""
-    from lenet_figures import time_to_accuracy
+    from core.lenet.figures import time_to_accuracy
 
     out = Path(args.out_dir) / "bench-lenet"
     common = ["--out-dir", out, "--no-tb-images", "--accelerator", "cpu", *args.extra]
@@ -162,7 +162,7 @@ def default_recipe_run(folder: str) -> bool:
     """`folder` holds a finished CPU run of fabric_lenet.py's defaults at seed 0 (make lab's lenet-relu stage): the
     same training as the bench's default_seed0, which then reads its record instead of training it again."""
     import fabric_lenet
-    from run_state import same_experiment
+    from core.run.lifecycle import same_experiment
 
     record, cfg = read_record(Path(folder)) if folder else None, fabric_lenet.Config()
     if record and cfg.precision == "auto":  # what --precision auto chose here, as it would choose again (cached)
@@ -198,7 +198,7 @@ def bench_gpt(args) -> None:
     for strategy, precision in progress(cases, "gpt sweep"):
         single = strategy == "auto"  # the baseline: one device
         devices = 1 if single else args.devices
-        lay = layout(SimpleNamespace(strategy=strategy, devices=devices, num_nodes=1))
+        lay = layout(strategy, devices)
         # The same global batch, so every row trains on the same samples: data-parallel ranks split it, tensor
         # parallel ranks share it, and a pipeline splits it into one micro-batch per stage.
         micro = global_batch // (lay.dp_size * lay.pp_size)
@@ -224,8 +224,8 @@ def single_device_micro_batch(model: str, precision: str, global_batch: int, mem
     """The largest micro-batch that divides the global batch and whose memory plan fits one device (with
     the plan's 10% margin), so that the single-device baseline trains the sweep's global batch by
     accumulation instead of dying out of memory (1 when even that does not fit: the run says so)."""
-    import accounting
     import fabric_gpt
+    from core.plan import accounting
 
     base = fabric_gpt.resolve(fabric_gpt.Config(model=model, precision=precision, accelerator="cuda"))
     n_params, attn = fabric_gpt.count_parameters(base)  # the micro-batch changes the plan, not the model
@@ -246,9 +246,9 @@ def predict(rows: list, accelerator: str) -> None:
     """Each row's predicted step time beside the measured one: perf_model for the run's own settings; on CPU from
     cpu_probe.py's measurements of this machine (each strategy's fixed cost is a short run of its own, once per
     machine and settings, cached), on a GPU from its cluster preset."""
-    import cpu_probe
     import fabric_gpt
-    import perf_model
+    from core.plan import perf_model
+    from core.run import measurements
 
     clusters = {}
     for r in rows:
@@ -260,9 +260,9 @@ def predict(rows: list, accelerator: str) -> None:
         if accelerator == "cpu":
             if not clusters:
                 print(f"predicting each row from this machine's measurements (cpu_probe.py; the first time about 15 s "
-                      f"a strategy, then cached in {cpu_probe.cache_file()})", flush=True)
+                      f"a strategy, then cached in {measurements.cache_file()})", flush=True)
             if cfg.precision not in clusters:
-                clusters[cfg.precision] = perf_model.cluster_named("cpu", cfg.precision)
+                clusters[cfg.precision] = perf_model.cluster_named("cpu", cfg.precision, fabric_gpt.__file__)
             cluster = clusters[cfg.precision]
         else:
             cluster = perf_model.cluster_named(perf_model.cluster_of_gpu(rec["device_name"]) or perf_model.DEFAULT_GPU_CLUSTER)
@@ -343,7 +343,7 @@ def bench_text(args) -> None:
     and by fabric_gpt.py, eager and compiled, in float32 and under bf16 autocast, on the same prepared tokens; the cases alternate over --repeats rounds
     (a shared machine's speed drifts) and the table gives the median tokens/s of each, and each one's validation
     loss on the same 200 x 12 fixed validation windows."""
-    import text_corpus
+    from core.gpt import text_corpus
 
     out = Path(args.out_dir) / "bench-text"
     text_corpus.prepare("", "char", 0, args.data_dir)  # once, before the cases
@@ -362,7 +362,7 @@ def bench_text(args) -> None:
     for round_ in progress(range(args.repeats), "text bench"):
         folder = out / f"nanogpt-{round_}"
         folder.mkdir(parents=True, exist_ok=True)
-        code, last = run("nanogpt_reference.py", ["--data-dir", args.data_dir, "--out", folder / "record.json",
+        code, last = run("-m lab.nanogpt_reference", ["--data-dir", args.data_dir, "--out", folder / "record.json",
                                                   "--max-iters", args.steps, "--eval-windows", args.eval_windows])
         if code:
             sys.exit(f"error: nanogpt_reference.py failed: {last}")
@@ -395,11 +395,11 @@ def bench_text(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flags import Folder, Parser, choice, number
+    from core.run.flags import Folder, Parser, choice, number
+    from core.run.layout import STRATEGIES
     from fabric_gpt import PRECISIONS, PRESETS
-    from layout import STRATEGIES
 
-    parser = Parser(description=__doc__, prog="bench.py")
+    parser = Parser(description=__doc__, prog="python -m lab.bench")
     parser.add_argument("--out-dir", default="runs", type=Folder(), help="folder for the benchmark runs and tables "
                         "(default: runs)")
     parser.add_argument("--keep", action="store_true", help="reuse the cases whose runs finished (an interrupted sweep continues)")

@@ -1,7 +1,7 @@
 """Every CUDA path of this repository in a few minutes, each with a verdict and the figure behind it.
 
-    python gpu_check.py --runs runs                 # make gpu-check: every check, into runs/gpu-check/
-    python gpu_check.py --checks gelu,gpt-1.6b      # only the named checks (python gpu_check.py --help lists them)
+    python -m lab.gpu_check --runs runs             # make gpu-check: every check, into runs/gpu-check/
+    python -m lab.gpu_check --checks gelu,gpt-1.6b  # only the named checks (--help lists them)
 
 A check is a few runs of the repository's own commands and a verdict that reads what they wrote. The table of
 checks below is the whole story; the loop at the bottom runs it, writing table.md and gpu-check.json after every
@@ -21,8 +21,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from lab import GPU_CHECK, cuda_devices, last_line, run_logged
-from checkpoints import RECORD, write_json_atomic
+from core.run.checkpoints import RECORD
+from core.run.files import write_json_atomic
+from lab.stages import GPU_CHECK, cuda_devices, last_line, run_logged
 
 
 # ----------------------------------------------------------------------------- GPU sampling
@@ -340,9 +341,9 @@ def gpu_check(runs: Path, keys: list[str] | None = None) -> int:
 
 
 def build_parser():
-    from flags import Folder, Names, Parser
+    from core.run.flags import Folder, Names, Parser
 
-    parser = Parser(description=__doc__, prog="gpu_check.py")
+    parser = Parser(description=__doc__, prog="python -m lab.gpu_check")
     parser.add_argument("--runs", default="runs", type=Folder(), help="folder for runs/gpu-check (default: runs)")
     parser.add_argument("--checks", default="", type=Names(CHECK_KEYS), help="comma-separated checks to run "
                         "(default: all; an unknown name lists them)")

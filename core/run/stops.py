@@ -27,13 +27,11 @@ import signal
 import subprocess
 import sys
 
-from ranks import any_rank
-
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}  # those a launcher forwards
+from core.run.ranks import STOP_SIGNALS, any_rank
 
 
 class StopRequest:
-    """The run's signal handlers: `listen(requeue_signal)` installs them (run_state.exits restores the previous ones
+    """The run's signal handlers: `listen(requeue_signal)` installs them (lifecycle.exits restores the previous ones
     when the run ends); `requested()` says at a step boundary whether any rank was signalled."""
 
     def __init__(self):
@@ -110,7 +108,7 @@ def say(line: str) -> None:
 
 
 class StoppedAtOnce(KeyboardInterrupt):
-    """A second Ctrl-C: the run ends where it is, without a save (run_state.exits says so in one line); a save it
+    """A second Ctrl-C: the run ends where it is, without a save (lifecycle.exits says so in one line); a save it
     cuts short stays a `.partial` folder, which no resume reads."""
 
 

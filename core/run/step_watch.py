@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ranks import any_rank
+from core.run.ranks import any_rank
 
 
 class NonFiniteLoss(RuntimeError):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flags import ConfigError
+from core.run.flags import ConfigError
 
 
 def hide_the_cuda_home_guess() -> None:

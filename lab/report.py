@@ -1,14 +1,13 @@
 """Write the lab report from the runs on disk: report/REPORT.md with PNG figures beside it.
 
-    python report.py                         # newest run of each kind under runs/
-    python report.py --lenet runs/lenet-relu-20261121-120000 --gpt-bench runs/bench-gpt-tiny-2xcpu
+    python -m lab.report                     # newest run of each kind under runs/
+    python -m lab.report --lenet runs/lenet-relu-20261121-120000 --gpt-bench runs/bench-gpt-tiny-2xcpu
 
 Sections whose runs are missing or unreadable say so, and which command produces them; never a traceback.
 """
 
 import json
 import re
-import sys
 import traceback
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from checkpoints import RECORD  # noqa: E402
+from core.run.checkpoints import RECORD  # noqa: E402
 
 
 def load_json(path: Path):
@@ -311,7 +310,7 @@ def section_environment(rep: Report, runs: Path) -> None:
             rep.add(f"As recorded by `{path.parent.name}`:", "")
             break
     if env is None:
-        from run_state import environment
+        from core.run.lifecycle import environment
 
         env = environment()
         rep.add("No run recorded its environment; this is the machine writing the report:", "")
@@ -349,9 +348,9 @@ def section_text(rep: Report, runs: Path, chosen: Path | None) -> None:
 
 
 def build_parser():
-    from flags import Folder, Parser
+    from core.run.flags import Folder, Parser
 
-    parser = Parser(description=__doc__, prog="report.py")
+    parser = Parser(description=__doc__, prog="python -m lab.report")
     parser.add_argument("--runs", default=RUNS, type=Folder(create=False), help="folder holding the runs "
                         "(default: runs; it must exist: run make lenet first)")
     parser.add_argument("--out", default="report", type=Folder(), help="folder for REPORT.md and the figures "
@@ -386,5 +385,4 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -3,19 +3,21 @@ wait for the other nodes, and watching ranks and nodes so that a lost one ends t
 instead of a collective's traceback or a silent hang."""
 
 import contextlib
+import dataclasses
 import os
 import platform
 import signal
 import sys
 import time
 
-from flags import ConfigError
+from core.run.flags import ConfigError
 
 TORCHRUN, SRUN, BY_HAND, FABRIC = ("torchrun", "SLURM (srun)", "by hand (MASTER_ADDR, MASTER_PORT, NODE_RANK)",
                                    "Fabric, on this machine")
 # launch() writes its verdict here before Fabric starts the other local ranks: they inherit it, and Fabric's own
 # MASTER_ADDR/NODE_RANK (which it sets in this process too) are not mistaken for a launch by hand
 STARTED_BY = "FABRIC_LAB_LAUNCHER"
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}  # those a launcher forwards (stops.py)
 
 
 def launcher(environ=None) -> str:
@@ -40,15 +42,16 @@ FABRIC_RUN = {"accelerator": "LT_ACCELERATOR", "strategy": "LT_STRATEGY", "devic
               "num_nodes": "LT_NUM_NODES", "precision": "LT_PRECISION"}
 
 
-def take_fabric_run_settings(cfg, argv: list[str]) -> None:
+def take_fabric_run_settings(cfg, argv: list[str]):
     """Under `fabric run --accelerator cpu --devices 2 ... script.py ...`: its accelerator, strategy, devices, nodes
     and precision become the script's wherever the script's own flag was not given; a flag given with another value
     is one line. The LT_* variables are then removed, so that Fabric sees the one reconciled setting (it would
     compare a strategy object with the launcher's name and refuse) and meets the ranks as under torchrun, which
-    `fabric run` is underneath (launch() then starts the process group as it does there)."""
+    `fabric run` is underneath (launch() then starts the process group as it does there). Returns the config with
+    them (a new one: its layout follows)."""
     if os.environ.pop("LT_CLI_USED", None) != "1":
-        return
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+        return cfg
+    given, theirs_all = {a.split("=", 1)[0] for a in argv if a.startswith("--")}, {}
     for field, variable in FABRIC_RUN.items():
         value = os.environ.pop(variable, None)
         if value is None:
@@ -62,7 +65,8 @@ def take_fabric_run_settings(cfg, argv: list[str]) -> None:
         if flag in given and theirs != current:
             raise ConfigError(f"{flag} {current} conflicts with `fabric run {flag} {value}`, which launched this "
                               f"process: give {flag} in one place (the launcher's decides how many processes start)")
-        setattr(cfg, field, theirs)
+        theirs_all[field] = theirs
+    return dataclasses.replace(cfg, **theirs_all)
 
 
 def started_by_fabric(environ=None) -> bool:
@@ -124,8 +128,6 @@ def launch(fabric, num_nodes: int, timeout: float) -> None:
               f"launcher: {launcher()}). Fix: {start}, check that {address} can be reached from each node, or wait "
               f"longer with --node-timeout", file=sys.stderr, flush=True)
         os._exit(1)
-
-    from stops import STOP_SIGNALS
 
     os.environ.setdefault(STARTED_BY, launcher())  # before Fabric sets MASTER_ADDR here and starts the local ranks
     share_the_cores(fabric)

@@ -1,7 +1,7 @@
-"""nanoGPT's train.py on shakespeare_char, re-typed as one plain PyTorch loop: the reference `bench.py text`
-races fabric_gpt.py against (karpathy/nanoGPT, MIT licence; model.py and train.py with the README's CPU recipe).
+"""nanoGPT's train.py on shakespeare_char, re-typed as one plain PyTorch loop: the reference `lab.bench text` races
+fabric_gpt.py against (karpathy/nanoGPT, MIT licence; model.py and train.py with the README's CPU recipe).
 
-    python nanogpt_reference.py [--data-dir data/text] [--out record.json]
+    python -m lab.nanogpt_reference [--data-dir data/text] [--out record.json]
 
 It reads the same prepared train.bin/val.bin (text_corpus.py: Shakespeare, char tokens) that fabric_gpt.py
 --tokenizer char trains on (prepared if missing; TEXT_MIRROR offline), draws batches
@@ -181,9 +181,9 @@ def train(prepared, r: Recipe, windows, warmup: int) -> dict:
 
 
 def build_parser():
-    from flags import Folder, OutFile, Parser, number
+    from core.run.flags import Folder, OutFile, Parser, number
 
-    parser = Parser(description=__doc__, prog="nanogpt_reference.py")
+    parser = Parser(description=__doc__, prog="python -m lab.nanogpt_reference")
     parser.add_argument("--data-dir", default="data/text", type=Folder(), help="the corpus and its prepared tokens, "
                         "as fabric_gpt.py's (default: data/text)")
     parser.add_argument("--out", default="", type=OutFile(optional=True), help="a JSON file for the record "
@@ -200,7 +200,7 @@ def build_parser():
 
 
 def main(argv=None) -> None:
-    import text_corpus
+    from core.gpt import text_corpus
 
     args = build_parser().parse_args(argv)
     r = Recipe(max_iters=args.max_iters, lr_decay_iters=args.max_iters)

@@ -1,6 +1,6 @@
 """Text from a text run's final weights, whatever strategy trained them (`make sample RUN=<run folder>`).
 
-    python sample.py --run-name gpt-tiny-auto-20261126-101500 --prompt "ROMEO:" --max-new-tokens 300
+    python -m lab.sample --run-name gpt-tiny-auto-20261126-101500 --prompt "ROMEO:" --max-new-tokens 300
 
 The newest checkpoint of runs/<run-name>/ is gathered into one ordinary GPT-2 state dict in this process
 (strategies.export_checkpoint) and tokens are drawn one at a time with the run's own tokenizer, as nanoGPT's
@@ -12,16 +12,14 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-import flags
-import gpt_model
-import strategies
-import text_corpus
-from checkpoints import Checkpoints, step_of
-from flags import ConfigError, opt
+from core.gpt import gpt_model, strategies, text_corpus
+from core.run import flags
+from core.run.checkpoints import Checkpoints, step_of
+from core.run.flags import ConfigError, opt
+from core.run.layout import saved_config
 
 
 @dataclass
@@ -49,7 +47,7 @@ def load_model(cfg: Config):
     checkpoints = Checkpoints(run_dir / "checkpoints").complete()
     if not checkpoints:
         raise ConfigError(f"{run_dir} has no complete checkpoint to sample from; train it first (or --resume auto)")
-    saved = SimpleNamespace(**json.loads((checkpoints[-1] / "config.json").read_text()))
+    saved = saved_config(json.loads((checkpoints[-1] / "config.json").read_text()))
     if getattr(saved, "nvme_path", ""):
         raise ConfigError(f"{checkpoints[-1]} is an NVMe-offload checkpoint, whose weights DeepSpeed cannot read back; "
                           "train with --export and load runs/<run>/hf instead")
@@ -77,7 +75,7 @@ def generate(model, ids: list[int], cfg: Config, context: int, vocab: int) -> li
 
 
 def main(argv=None) -> str:
-    cfg = flags.parse_config(Config, argv, __doc__, prog="sample.py")
+    cfg = flags.parse_config(Config, argv, __doc__, prog="python -m lab.sample")
     try:
         model, checkpoint, saved, tokenizer = load_model(cfg)
         ids = text_corpus.encode_prompt(tokenizer, cfg.prompt or "\n")

@@ -1,8 +1,8 @@
-"""The whole lab in one command, and a few-minute check of every CUDA path of this repository.
+"""The whole lab in one command: its stages in order, from the MNIST files to report/REPORT.md.
 
-    python lab.py                 # make lab: every stage, from the MNIST files to report/REPORT.md
-    python lab.py --force         # make lab FORCE=1: recompute every stage, even those with results on disk
-    python lab.py gpu-check       # make gpu-check (gpu_check.py): each GPU path with a verdict, into runs/gpu-check/
+    python -m lab                 # make lab: every stage
+    python -m lab --force         # make lab FORCE=1: recompute every stage, even those with results on disk
+    python -m lab --stages text,gpt-text,report   # make lab STAGES=...: only these
 
 A stage whose result is on disk is skipped; an interrupted LeNet-5 or GPT-2 text run continues from its last checkpoint,
 an interrupted benchmark keeps its finished cases. Each stage's output goes to runs/lab/logs/<stage>.log.
@@ -19,10 +19,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from hardware import cuda_mismatch
-from checkpoints import RECORD, Checkpoints, write_json_atomic
+from core.run.checkpoints import RECORD, Checkpoints
+from core.run.files import write_json_atomic
+from core.run.hardware import cuda_mismatch
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 LOGS = Path("lab/logs")  # under --runs
 GPU_CHECK = "gpu-check"
 
@@ -51,11 +52,11 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
         print(f"warning: {unusable}; until then the lab is sized for the CPU", file=sys.stderr)
     accelerator = "cuda" if gpus else "cpu"
     cores = os.cpu_count() or 1
-    from text_corpus import CORPUS
+    from core.gpt.text_corpus import CORPUS
 
     # both data sets first: offline without a mirror, the lab stops in its first seconds, not after the LeNet-5 runs
     stages = [Stage("data", ["datasets_local.py", "--root", data_dir], str(REPO / data_dir / "t10k-labels-idx1-ubyte")),
-              Stage("text", ["text_corpus.py", "--data-dir", text_dir], str(REPO / text_dir / CORPUS))]
+              Stage("text", ["-m", "core.gpt.text_corpus", "--data-dir", text_dir], str(REPO / text_dir / CORPUS))]
     from gelu_ext import ACTIVATIONS  # relu, LeNet-5's default, first
 
     def lenet(act: str) -> Stage:
@@ -70,11 +71,11 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
     stages += [lenet(ACTIVATIONS[0]), Stage("gelu-check", ["-m", "gelu_ext", "check", "--out", runs / "gelu"], "gelu/check.json")]
     stages += [lenet(act) for act in ACTIVATIONS[1:]]
     stages += [Stage("bench-gelu", ["-m", "gelu_ext", "bench", "--repeats", "7", "--out", runs / "gelu"], "gelu/bench.json"),
-               Stage("bench-lenet", ["bench.py", "--out-dir", runs, "--keep", "lenet", "--seeds", "1", "--default-run",
+               Stage("bench-lenet", ["-m", "lab.bench", "--out-dir", runs, "--keep", "lenet", "--seeds", "1", "--default-run",
                                      runs / f"lab-lenet-{ACTIVATIONS[0]}"], "bench-lenet/bench.json")]
     # GPT-2 on Shakespeare with nanoGPT's CPU recipe (docs/text.md): the report's curves, a model to sample from
-    # (the later --accelerator wins over the recipe's cpu, as bench.py's later --precision does)
-    from bench import NANOGPT_RECIPE
+    # (the later --accelerator wins over the recipe's cpu, as lab.bench's later --precision does)
+    from lab.bench import NANOGPT_RECIPE
 
     text = "lab-gpt-text"
     stages.append(Stage("gpt-text", ["fabric_gpt.py", *NANOGPT_RECIPE, "--dataset", "text", "--data-dir", text_dir,
@@ -83,13 +84,13 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
                         f"{text}/{RECORD}", resumable_run=text))
     # sized to the hardware: the tiny model on CPU processes, the course's 1.6B model on the visible GPUs
     model, devices = ("1.6b", gpus) if gpus else ("tiny", min(2, cores))
-    gpt = ["bench.py", "--out-dir", runs, "--keep", "gpt", "--model", model, "--devices", devices, "--accelerator", accelerator]
+    gpt = ["-m", "lab.bench", "--out-dir", runs, "--keep", "gpt", "--model", model, "--devices", devices, "--accelerator", accelerator]
     if gpus:
         gpt += ["--precisions", "bf16-mixed", "--micro-batch-size", "1", "--num-samples", 16 * devices]
     stages.append(Stage("bench-gpt", gpt, f"bench-gpt-{model}-{devices}x{accelerator}/bench.json", real=True))
-    stages.append(Stage(GPU_CHECK, ["gpu_check.py", "--runs", runs], f"{GPU_CHECK}/gpu-check.json",
+    stages.append(Stage(GPU_CHECK, ["-m", "lab.gpu_check", "--runs", runs], f"{GPU_CHECK}/gpu-check.json",
                         optional="" if gpus else "no CUDA GPU on this machine"))
-    stages.append(Stage("report", ["report.py", "--runs", runs, "--out", report_dir], str(REPO / report_dir / "REPORT.md"),
+    stages.append(Stage("report", ["-m", "lab.report", "--runs", runs, "--out", report_dir], str(REPO / report_dir / "REPORT.md"),
                         always=True))
     for stage in stages if gpus else []:  # CUDA in forked children is untried: real interpreters there (gpu-check too)
         stage.real = True
@@ -132,7 +133,7 @@ def lab(args) -> int:
     # 10-15 s a stage and a benchmark case again): what they measure is time, and a fork trains at a real
     # interpreter's speed (docs/lab.md). bench-gpt's table reports each run's memory, which in a fork would count the
     # server's pages, and CUDA in a forked child is untried here: those stages start real interpreters.
-    import warm_python
+    from core.run import warm_python
 
     started = time.time()
     print(f"lab: {len(stages)} stages into {runs}/ (logs in {runs / LOGS}/); finished stages are skipped"
@@ -199,7 +200,7 @@ TIMINGS = "lab/timings.json"  # under --runs
 
 def expected_duration(stages: list, runs: Path, force: bool) -> str:
     """The line the lab starts with: how long the stages still to run should take on this machine, and whence."""
-    from bench import cpu_label
+    from lab.bench import cpu_label
 
     timed = read_json(runs / TIMINGS)
     here = timed.get("cpu") == cpu_label()
@@ -209,7 +210,7 @@ def expected_duration(stages: list, runs: Path, force: bool) -> str:
     else:
         reference, scale, how = cpu_label(), 1.0, "as a whole lab took on this CPU model (lab.REFERENCES)"
         if reference not in REFERENCES:
-            import accounting
+            from core.plan import accounting
 
             rate = accounting.cpu_matmul_peak("32-true")[0]
             reference = min(REFERENCES, key=lambda cpu: abs(math.log(REFERENCES[cpu][0] / rate)))
@@ -223,7 +224,7 @@ def expected_duration(stages: list, runs: Path, force: bool) -> str:
 
 def record_timing(runs: Path, stage: str, seconds: float, resumed: bool) -> None:
     """A stage's time on this machine, for the next lab's estimate (a continued run's time is only its remainder)."""
-    from bench import cpu_label
+    from lab.bench import cpu_label
 
     timed = read_json(runs / TIMINGS)
     if timed.get("cpu") != cpu_label():
@@ -260,12 +261,10 @@ def forget(stage: Stage, runs: Path, result: Path) -> None:
 
 
 def build_parser():
-    from flags import Folder, Names, Parser, choice
+    from core.run.flags import Folder, Names, Parser
 
     stage_names = [s.name for s in lab_stages(Path("runs"), "data/mnist", "report")]
-    parser = Parser(description=__doc__, prog="lab.py")
-    parser.add_argument("command", nargs="?", default="lab", type=choice(("lab", GPU_CHECK)),
-                        help=f"lab (default), or {GPU_CHECK} on a CUDA machine")
+    parser = Parser(description=__doc__, prog="python -m lab")
     parser.add_argument("--runs", default="runs", type=Folder(), help="folder holding the runs and benchmarks (default: runs)")
     parser.add_argument("--force", action="store_true", help="recompute every stage, even those with results on disk")
     parser.add_argument("--stages", default="", type=Names(stage_names), help="comma-separated stage names to run "
@@ -280,13 +279,4 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == GPU_CHECK:  # the same as `python gpu_check.py --runs RUNS`
-        import gpu_check
-
-        return gpu_check.gpu_check(args.runs)
-    return lab(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return lab(build_parser().parse_args(argv))

@@ -8,8 +8,7 @@ import statistics
 
 import torch
 
-import datasets_local
-from hardware import compiled_graphs, cuda_graphs
+from core.run.hardware import compiled_graphs, cuda_graphs
 
 TARGETS = (0.99, 0.992)  # test accuracies whose time of training the summary reports
 
@@ -131,7 +130,8 @@ def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
     with torch.no_grad():
         if result["misclassified"]:  # found by evaluate(): no second pass over the test set
             wrong = x[result["misclassified"]]
-            writer.add_image("test/misclassified", image_grid(wrong * datasets_local.STD + datasets_local.MEAN, 8), step)
+            # each stretched to [0, 1]: the normalised digit's own range, whatever the data's mean and spread
+            writer.add_image("test/misclassified", image_grid(wrong, 8, scale_each=True), step)
         maps, hooks = {}, []
         for name, i in (("conv1", 1), ("conv2", 4)):  # outputs of the layer after each convolution; the real channels only
             keep = module.features[i - 1].out_channels

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-import flags
-from checkpoints import (RECORD, STEP_DIR, Checkpoints, DiskFull, ResumeError, checkpoint_folder, damaged_files,
-                         disk_full, read_record, write_json_atomic)
-from flags import ConfigError
-from hardware import cpu_name
-from ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
-from step_watch import NonFiniteLoss
-from stops import StopRequest, Stopped, StoppedAtOnce, requeue_slurm_job, say
+from core.run import flags
+from core.run.checkpoints import (RECORD, STEP_DIR, Checkpoints, DiskFull, ResumeError, checkpoint_folder, damaged_files,
+                                  disk_full, read_record)
+from core.run.files import write_json_atomic
+from core.run.flags import ConfigError
+from core.run.hardware import cpu_name
+from core.run.ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
+from core.run.step_watch import NonFiniteLoss
+from core.run.stops import Stopped, StoppedAtOnce, StopRequest, requeue_slurm_job, say
 
 
 def environment() -> dict:

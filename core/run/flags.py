@@ -4,7 +4,7 @@ and a value outside it ends in one line, `error: --lr must be a finite number > 
 work is done or any folder is made.
 
 A config dataclass declares each field with `opt(default, help, ...)`; `parse_config` turns it into argparse
-flags in the groups the fields name. Plain argparse parsers (bench.py, report.py, lab.py) use the same checks as
+flags in the groups the fields name. Plain argparse parsers (the lab's tools) use the same checks as
 `type=`: `number(...)`, `choice(...)`, `folder(...)`, `out_file(...)`. tests/test_flags.py walks every flag of
 every parser and fails on one that states no range.
 """

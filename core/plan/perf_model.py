@@ -14,13 +14,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-import accounting
-import gpt_model
-from checkpoints import write_atomic
-from flags import ConfigError
-from hardware import cpu_name
-from layout import layout, search_layouts
-from strategies import fsdp_gathers_bf16
+from core.gpt import gpt_model
+from core.gpt.strategies import fsdp_gathers_bf16
+from core.plan import accounting, cpu_probe
+from core.run import measurements
+from core.run.files import write_atomic
+from core.run.flags import ConfigError
+from core.run.hardware import cpu_name
+from core.run.layout import search_layouts
 
 GB = 1e9
 
@@ -45,6 +46,8 @@ class Cluster:
     shared_cores: bool = False  # CPU processes share one machine's cores: peak_flops is the machine's, and a rank
     # that waits (a pipeline stage in its bubble) leaves its cores to the others
     probe: str = ""  # CPU: "measure" or "cached", the step from cpu_probe's measurements (cpu_step)
+    step_script: str = ""  # CPU, probe "measure": the training script whose step on the minimal model is timed (the
+    # caller's own: a script stands above the plan, which never names one)
     source: str = ""
 
 
@@ -86,29 +89,29 @@ class PlanError(ConfigError):
     """A cluster or a strategy the model cannot plan: the message names the flag and the fix."""
 
 
-def cluster_named(name: str, precision: str = "32-true") -> Cluster:
+def cluster_named(name: str, precision: str = "32-true", step_script: str = "") -> Cluster:
+    """A preset by name, or "cpu": this machine, measured (its fixed costs by running `step_script`)."""
     if name == "cpu":
-        return measured_cpu_cluster(precision)
+        return measured_cpu_cluster(precision, step_script)
     if name not in CLUSTERS:
         raise PlanError(f"--cluster {name!r} is not known; known: {', '.join([*CLUSTERS, 'cpu'])} (cpu is measured "
                         "on this machine)")
     return CLUSTERS[name]
 
 
-def measured_cpu_cluster(precision: str) -> Cluster:
+def measured_cpu_cluster(precision: str, step_script: str = "") -> Cluster:
     """This machine, measured (cpu_probe.py, cached): the matmul probe for the peak that MFU is against, the gloo
     link, and the step itself from the strategy's fixed cost and the work of the run's shape (cpu_step)."""
-    import cpu_probe
-
     # a CPU plan's ranks share the machine's cores: one core's peak times the cores, whatever this process's own
     # threads. Measured on one thread, which another process's load slows by its share of a core; on every core
     # beside such a load OpenMP's threads wait on each other (42 GFLOP/s against 203 quiet: a plan's MFU of 144%)
-    with cpu_probe.threads(1):
+    with measurements.threads(1):
         peak = accounting.measured_cpu_matmul_flops(precision) * (os.cpu_count() or 1)
-    return cpu_cluster(precision, peak, cpu_probe.gloo_link(), probe="measure")
+    return cpu_cluster(precision, peak, cpu_probe.gloo_link(), probe="measure", step_script=step_script)
 
 
-def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None, probe: str = "") -> Cluster:
+def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None, probe: str = "",
+                step_script: str = "") -> Cluster:
     """This machine with a measured matmul peak and, when given, a measured (latency s, bandwidth B/s) link;
     without one, communication is planned as free (a lower bound of the step). probe "measure" or "cached": the
     step from cpu_step (measured now when not cached, or only when cached); "": compute at CPU_EFFICIENCY of the
@@ -122,7 +125,7 @@ def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = 
     return Cluster("cpu", "this CPU (measured)", {kind: peak}, psutil.virtual_memory().total, 64,
                    intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth, inter_latency=latency,
                    pcie_bw=math.inf, nvme_bw=2 * GB, host_adam_params_per_s=2e8, efficiency=CPU_EFFICIENCY,
-                   overlap=False, shared_cores=True, probe=probe,
+                   overlap=False, shared_cores=True, probe=probe, step_script=step_script,
                    source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), {measured_link}")
 
 
@@ -136,13 +139,11 @@ def cpu_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool) -> dict 
     be measured: the strategy's fixed cost (its step on the minimal model), plus the work that grows with the model
     (block and head at the run's shape less the minimal one's, per micro-batch, split as the strategy splits the
     layers), plus the optimizer's sweep over this rank's states at memory bandwidth, plus the bytes on the link."""
-    import cpu_probe
-
-    lay = layout(cfg)
-    n, ds, heads = cpu_probe.rank_threads(cfg.devices), lay.deepspeed, cpu_probe.minimal_heads(cfg)
+    lay = cfg.layout
+    n, ds, heads = measurements.rank_threads(cfg.devices), lay.deepspeed, cpu_probe.minimal_heads(cfg)
     minimal = replace(cfg, n_embd=cpu_probe.MINIMAL["n_embd_per_head"] * heads, n_head=heads,
                       seq_len=cpu_probe.MINIMAL["seq_len"], vocab_size=cpu_probe.MINIMAL["vocab_size"])
-    fixed = cpu_probe.fixed_step(cfg, allow_measure)
+    fixed = cpu_probe.fixed_step(cfg, allow_measure, cluster.step_script)
     big = fixed and cpu_probe.block_and_head(gpt_model.gpt2_config(cfg), cfg.micro_batch_size, cfg.precision, ds, n,
                                              allow_measure)
     small = big and cpu_probe.block_and_head(gpt_model.gpt2_config(minimal), cpu_probe.MINIMAL["micro_batch_size"],
@@ -221,7 +222,7 @@ def element_bytes(cfg) -> dict:
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     weights = accounting.weight_bytes(cfg)
     matmul_out = 2 if half else 4  # autocast's matmuls return 16-bit tensors
-    residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not layout(cfg).deepspeed else matmul_out
+    residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed else matmul_out
     return {"grad": weights, "param": weights, "matmul_out": matmul_out, "residual": residual}
 
 
@@ -229,7 +230,7 @@ def comm_table(cfg) -> list[dict]:
     """Every collective and transfer global rank 0 issues in one optimizer step, as comm_counter counts them:
     {kind, group_size, bytes (the tensor this rank hands to one call), count}, plus the link it crosses and
     what it can overlap with. Groups of one rank move nothing and are left out."""
-    w, m, lay = element_bytes(cfg), cfg.grad_accum, layout(cfg)
+    w, m, lay = element_bytes(cfg), cfg.grad_accum, cfg.layout
     params = param_tensors(cfg)
     sizes = [numel(s) for _, s in params]
     dp, t, p = lay.dp_size, lay.tp_size, lay.pp_size
@@ -257,7 +258,7 @@ def comm_table(cfg) -> list[dict]:
 def link_of(cfg, group: str) -> str:
     """Which link a group crosses: tensor-parallel and pipeline groups are the innermost mesh dimension (inside a
     node when they fit); a data-parallel group spans nodes as soon as there is more than one."""
-    lay = layout(cfg)
+    lay = cfg.layout
     if group in ("tp", "pp"):
         return "intra" if lay.tp_size * lay.pp_size <= cfg.devices else "inter"
     return "inter" if cfg.num_nodes > 1 and lay.dp_size > 1 else "intra"
@@ -271,9 +272,9 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
     gradient after every micro-batch; parameters under stage3_param_persistence_threshold (1e5 elements) stay
     whole and are all-gathered once after the step; the others are all-gathered before each micro-batch (at
     once while they fit stage3_max_live_parameters, 1e9 elements; beyond it, again in backward: unverified)."""
-    from strategies import deepspeed_config
+    from core.gpt.strategies import deepspeed_config
 
-    w, m, stage = element_bytes(cfg), cfg.grad_accum, layout(cfg).zero_stage
+    w, m, stage = element_bytes(cfg), cfg.grad_accum, cfg.layout.zero_stage
     sizes = [numel(s) for _, s in params]
     rows = []
     zero = deepspeed_config(cfg)["zero_optimization"]
@@ -301,7 +302,7 @@ def deepspeed_rows(cfg, params, dp, link) -> list[dict]:
             rows.append(row("all_gather", dp, gathered * w["param"], times * m, link, "forward"))
         # the gradient norm, once with or without clipping (the model is built under zero.Init): a float64 square on
         # the device, float32 when offloaded
-        rows.append(row("all_reduce", dp, 4 if layout(cfg).offload else 8, 1, link, "none"))
+        rows.append(row("all_reduce", dp, 4 if cfg.layout.offload else 8, 1, link, "none"))
     if cfg.precision == "16-mixed" or (cfg.precision in ("bf16-mixed", "bf16-true") and stage in (1, 2)):
         rows.append(row("all_reduce", dp, 1, 1, link, "none"))  # the overflow check of the 16-bit optimizer
     return rows
@@ -365,9 +366,9 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
     activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"]
     rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
             row("all_reduce", 2 if p > 1 else 1, cfg.vocab_size * cfg.n_embd * w["grad"], 1, link, "none"),
-            row("all_reduce", layout(cfg).world, 8, 1, link_of(cfg, "dp"), "none")]
+            row("all_reduce", cfg.layout.world, 8, 1, link_of(cfg, "dp"), "none")]
     if dp > 1:
-        from strategies import stage_blocks
+        from core.gpt.strategies import stage_blocks
 
         first = [s for n, s in params if not n.startswith("h.") and n in ("wte", "wpe")] + [
             s for n, s in params if n.startswith("h.") and int(n.split(".")[1]) in stage_blocks(cfg.n_layer, p, 0)]
@@ -405,7 +406,7 @@ def flops_per_device(cfg, n_params: int) -> dict:
     total = accounting.flops_per_token(cfg, n_params)["standard"]
     blocks = total - head
     recompute = (blocks / 3) if cfg.grad_checkpointing else 0  # one more forward of every block
-    lay = layout(cfg)
+    lay = cfg.layout
     dp, t, p, world = lay.dp_size, lay.tp_size, lay.pp_size, lay.world
     tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
     if lay.pipeline:
@@ -426,7 +427,7 @@ def offload_time(cfg, cluster: Cluster, n_params: int) -> tuple[float, dict]:
     """ZeRO-Offload per step and device: the gradient partition to the host and the updated 16/32-bit partition
     back over PCIe, the host's Adam, ZeRO-3's parameters fetched for every micro-batch's forward and backward,
     and NVMe: fp32 master weights and both moments read and written once."""
-    lay = layout(cfg)
+    lay = cfg.layout
     if not lay.offload:
         return 0.0, {}
     w, dp = element_bytes(cfg), lay.dp_size
@@ -446,7 +447,7 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     peak = cluster.peak_flops.get(dtype) or next(iter(cluster.peak_flops.values()))
     rate = peak * cluster.efficiency
     flops = flops_per_device(cfg, n_params)
-    lay = layout(cfg)
+    lay = cfg.layout
     m, p = cfg.grad_accum, lay.pp_size
     if cluster.shared_cores:  # the machine's cores do every rank's work, a waiting stage's cores included
         compute, bubble = flops["all_ranks"] / rate, 0.0
@@ -497,8 +498,8 @@ def check_plannable(cfg, cluster: Cluster) -> None:
     if cfg.devices > cluster.devices_per_node:
         raise PlanError(f"--devices {cfg.devices}: a {cluster.name} node has {cluster.devices_per_node} devices; "
                         f"use --devices {cluster.devices_per_node} --num-nodes {-(-cfg.devices // cluster.devices_per_node)}")
-    if layout(cfg).tp_size > cfg.devices:
-        raise PlanError(f"tensor parallel over {layout(cfg).tp_size} devices is larger than a node's {cfg.devices}: its "
+    if cfg.layout.tp_size > cfg.devices:
+        raise PlanError(f"tensor parallel over {cfg.layout.tp_size} devices is larger than a node's {cfg.devices}: its "
                         "all-reduces in every block need the node's NVLink; use --strategy fsdp_tp --tp-size "
                         f"{cfg.devices} (or fewer) so that data parallel spans the nodes")
     if cfg.nvme_path and cluster.nvme_bw <= 0:
@@ -528,7 +529,7 @@ def write_json(path: str, result: dict) -> None:
 
 def candidates(cfg, cluster: Cluster, global_batch: int):
     """Every strategy x tp x pp x micro-batch x checkpointing x offload this cluster and batch allow."""
-    for lay in search_layouts(cfg.devices, cfg.num_nodes, cfg.n_head, cfg.n_layer):
+    for lay in search_layouts(cfg):
         t, p = lay.tp_size if lay.tensor_parallel and lay.fsdp else 0, lay.pp_size if lay.pipeline else 0
         for micro in (1, 2, 4, 8, 16, 32, 64):
             if global_batch % (micro * lay.dp_size):
@@ -544,14 +545,14 @@ def candidates(cfg, cluster: Cluster, global_batch: int):
 
 def search(cfg, cluster: Cluster) -> list[dict]:
     """Every candidate's plan; those that fit, fastest first. Nothing fits: a PlanError with the smallest."""
-    world = layout(cfg).world
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * layout(cfg).dp_size
+    world = cfg.layout.world
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * cfg.layout.dp_size
     n_params, attn = gpt_model.count_parameters(cfg)
     if cluster.probe:  # measuring every candidate's fixed cost would run each: what is cached, else the lower bound
         cluster = replace(cluster, probe="cached")
     rows, smallest = [], None
     for c in candidates(cfg, cluster, global_batch):
-        lay = layout(c)
+        lay = c.layout
         if c.precision == "16-mixed" and lay.model_parallel:
             continue  # refused by fabric_gpt.py
         plan = full_plan(c, cluster, n_params, attn, cfg.tokens)
@@ -605,7 +606,7 @@ def print_search(cfg, cluster: Cluster, rows: list[dict], top: int = 12) -> None
 
 def single_device_baseline(cfg, cluster: Cluster) -> dict | None:
     """The fastest plan that trains the same global batch on one device, or None when nothing fits one."""
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * layout(cfg).dp_size
+    global_batch = cfg.micro_batch_size * cfg.grad_accum * cfg.layout.dp_size
     one = replace(cfg, devices=1, num_nodes=1, strategy="auto", tp_size=0, pp_size=0, micro_batch_size=global_batch,
                   grad_accum=1, nvme_path="")
     try:
@@ -631,13 +632,13 @@ def print_per_strategy(rows: list[dict], single: dict | None) -> None:
 
 
 # ----------------------------------------------------------------------------- --plan and --search, printed
-def plan_cluster(cfg) -> Cluster:
+def plan_cluster(cfg, step_script: str = "") -> Cluster:
     """--cluster, else this CPU under --accelerator cpu, else the visible GPU's node type, else the course's node;
     --device-memory-gb overrides memory."""
     name = cfg.cluster or ("cpu" if cfg.accelerator == "cpu" else "")
     if not name and torch.cuda.is_available():
         name = cluster_of_gpu(torch.cuda.get_device_name(0)) or DEFAULT_GPU_CLUSTER
-    cluster = cluster_named(name or DEFAULT_GPU_CLUSTER, cfg.precision)
+    cluster = cluster_named(name or DEFAULT_GPU_CLUSTER, cfg.precision, step_script)
     if cfg.device_memory_gb:
         cluster = replace(cluster, memory_bytes=cfg.device_memory_gb * 2**30)
     return cluster
@@ -645,7 +646,7 @@ def plan_cluster(cfg) -> Cluster:
 
 def print_plan(cfg, plan: dict) -> None:
     gib = lambda b: f"{b / 2**30:9.2f} GiB" if b >= 2**30 or b == 0 else f"{b / 2**20:9.2f} MiB"  # noqa: E731
-    lay = layout(cfg)
+    lay = cfg.layout
     print(f"memory plan: {cfg.model} ({plan['n_params'] / 1e6:,.1f}M parameters), {cfg.strategy}, {cfg.precision}, "
           f"{lay.world} device(s) (dp {lay.dp_size}, tp {lay.tp_size}, pp {lay.pp_size}), micro-batch "
           f"{cfg.micro_batch_size} x {cfg.seq_len} tokens")
@@ -666,11 +667,9 @@ def print_plan(cfg, plan: dict) -> None:
 def print_time_plan(cfg, t: dict) -> None:
     ms = lambda s: f"{1e3 * s:10.2f} ms"  # noqa: E731
     if t["cpu_step"]:  # this CPU, from its measurements (cpu_probe.py)
-        import cpu_probe
-
         c = t["cpu_step"]
         print(f"time plan on this CPU ({cpu_name()}), {cfg.devices} process(es) of {c['threads_per_rank']} "
-              f"thread(s), from its measurements (cpu_probe.py, cached in {cpu_probe.cache_file()}):")
+              f"thread(s), from its measurements (cpu_probe.py, cached in {measurements.cache_file()}):")
         for key, label in (("fixed_s", "fixed (minimal model)"), ("work_s", "work of this shape"),
                            ("optimizer_s", "optimizer sweep"), ("link_s", "bytes on the gloo link"), ("nvme_s", "NVMe")):
             print(f"  {label:<26}{ms(c[key])}")
@@ -695,9 +694,10 @@ def print_time_plan(cfg, t: dict) -> None:
             print(f"  {'':<42}{r['kind']:<15}{r['group_size']:>6}{r['bytes']:>14,}{r['count']:>7}  {r['link']:<6} {r['overlap']}")
 
 
-def plan(cfg) -> dict:
-    """--plan and --search: memory and time without training, printed and, with --plan-json, written."""
-    cluster = plan_cluster(cfg)
+def plan(cfg, step_script: str = "") -> dict:
+    """--plan and --search: memory and time without training, printed and, with --plan-json, written. On this CPU
+    the step is measured by running `step_script` (the training script asking) on the minimal model."""
+    cluster = plan_cluster(cfg, step_script)
     check_plannable(cfg, cluster)
     if cfg.search:
         rows = search(cfg, cluster)

@@ -1,0 +1,1 @@
+"""LeNet-5's support: the figures of a run, and its speed work on CPUs."""

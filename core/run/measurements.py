@@ -1,0 +1,130 @@
+"""Measurements of this machine, cached per machine: a measurement is taken once for its settings and read back after,
+keyed by the CPU, its instruction-set caps, torch and the measured settings, in ~/.cache/fabric-lab/cpu-probe.json
+(FABRIC_LAB_CACHE moves it), under a file lock so that processes started together (a launcher's ranks) measure once
+and read the same answer. With the helpers every measurement times with: a rank's threads, and a call's median time.
+"""
+
+import fcntl
+import json
+import os
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from core.run.files import write_json_atomic
+from core.run.hardware import cpu_name, cpu_units, isa_caps
+from core.run.ranks import cores_per_rank
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("FABRIC_LAB_CACHE", "~/.cache/fabric-lab")).expanduser() / "cpu-probe.json"
+
+
+def machine_key() -> dict:
+    """What every measurement depends on: the CPU, its instruction-set caps (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA change the kernels as another CPU would) and torch."""
+    return {"cpu": cpu_name(), "units": cpu_units(), "cores": os.cpu_count(), "caps": isa_caps(), "torch": torch.__version__}
+
+
+def entry_name(kind: str, settings: dict) -> str:
+    return json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
+
+
+def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
+    """measure()'s result for (this machine, kind, settings): from the cache, else measured and added to it (None
+    when allow_measure is False and nothing is cached)."""
+    path, name = cache_file(), entry_name(kind, settings)
+    if not allow_measure:  # a look-up: the file is replaced whole (atomic rename), so no lock is needed, and none is
+        # taken: the minimal job that a measurement runs looks up its own estimate while its parent holds the lock
+        try:
+            return json.loads(path.read_text()).get(name, {}).get("value")
+        except (OSError, ValueError):
+            return None
+    entry, _ = stored_or_measured(path, name, dated(measure))
+    return entry["value"]
+
+
+def dated(measure):
+    return lambda: {"value": measure(), "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
+
+
+def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tuple[dict, bool]:
+    """(the entry under `name` in the JSON file at `path`, True), else (measure()'s entry, added to the file, False).
+    A file lock makes processes started together (a launcher's ranks) measure once and read the same answer; with
+    `wait` False a process that finds the lock taken measures without it and stores nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:  # a measurement is running (perhaps this process's parent): the next run stores it
+            return measure(), False
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: measure
+            cache = {}
+        if name in cache:
+            return cache[name], True
+        entry = measure()
+        write_json_atomic(path, {**cache, name: entry})
+    return entry, False
+
+
+def forget(kind: str, settings: dict) -> None:
+    """Drop the cached measurement of (this machine, kind, settings), one that a run has shown wrong: the next run
+    measures it again."""
+    path = cache_file()
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if cache.pop(entry_name(kind, settings), None) is not None:
+            write_json_atomic(path, cache)
+
+
+def cached_unlocked(kind: str, settings: dict, measure):
+    """As cached(), for a measurement of a second or so taken inside any process, a minimal job that a locked
+    measurement runs included: measured without waiting for the lock, and stored only when the lock is free."""
+    value = cached(kind, settings, None, allow_measure=False)
+    if value is not None:
+        return value
+    return stored_or_measured(cache_file(), entry_name(kind, settings), dated(measure), wait=False)[0]["value"]
+
+
+def rank_threads(devices: int) -> int:
+    """The intra-op threads one rank gets: all of them alone, an equal share when Fabric starts several
+    (ranks.share_the_cores), OMP_NUM_THREADS when set."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or (cores_per_rank(devices) if devices > 1
+                                                           else torch.get_num_threads())
+
+
+def seconds_per_call(fn, seconds: float = 0.2, windows: int = 3) -> float:
+    """The median of `windows` timings of fn, each at least `seconds` long, after warm-up calls that build the
+    kernels (oneDNN on its first calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(windows):
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / windows or count < 2:
+            fn()
+            count += 1
+        times.append((time.perf_counter() - start) / count)
+    return statistics.median(times)
+
+
+class threads:
+    """Run a measurement with a rank's threads, and give the process its own back."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
