@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from core.run.files import fetch, write_atomic
+from core.run.files import disk_full, fetch, free_bytes, why_full, write_atomic
 
 # The mirrors torchvision uses, tried in order. MNIST_MIRROR (or mirror=) replaces them.
 UPSTREAM_MIRRORS = (
@@ -143,7 +143,10 @@ def download(root, mirror: str | None = None, quiet: bool = False, names=tuple(S
             if digest != SHA256[name]:
                 errors.append(f"{source}: checksum mismatch (sha256 {digest[:12]}..., expected {SHA256[name][:12]}...)")
                 continue
-            write_atomic(path, payload)
+            if (problem := disk_full(lambda: write_atomic(path, payload), root)) is not None:
+                raise MNISTError(f"no space left to write {path}: {len(payload):,} bytes needed, {free_bytes(root):,} free "
+                                 f"({why_full(problem)}); nothing half-written was kept. Fix: free space, or give "
+                                 f"--data-dir on a disk with more room")
             if not quiet:
                 print(f"downloaded {name} from {source}", file=sys.stderr)
             break

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from core.gpt import hf_export, strategies, text_corpus
 from core.gpt.gpt_model import PRESETS, attention_kernel, build_model, count_parameters, resolve_attention
-from core.plan import accounting, gpt_figures, perf_model
+from core.plan import accounting, disk, gpt_figures, perf_model
 from core.run import flags
 from core.run.checkpoints import ResumeError
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
@@ -443,8 +443,9 @@ def validate(cfg: Config) -> None:
         # a plan for this CPU computes attention as a run here would; one for GPUs in their 16-bit type
         cfg.attention_precision = resolve_attention(cfg, accounting.plans_for_gpu(cfg) or cfg.cluster not in ("", "cpu"))
         return
-    # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
     check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py")
+    disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
+    # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not lay.deepspeed)
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
@@ -499,10 +500,12 @@ def main(argv=None) -> dict:
         # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state is the whole model)
         state = {"model": strategies.local_module(model, cfg) if cfg.layout.pipeline else model,
                  "optimizer": optimizer, "progress": progress}
+        on_disk = disk_plan(cfg)
         run = Run(fabric, cfg, "gpt", state, stop, check_config=lambda saved: check_resume(saved, cfg),
-                  per_rank_checkpoints=cfg.layout.pipeline, identity=text_identity(cfg))
+                  per_rank_checkpoints=cfg.layout.pipeline, identity=text_identity(cfg),
+                  checkpoint_bytes=on_disk["checkpoint"])
         run.start()  # resume from the newest good checkpoint, or start
-        announce(run, n_params, peak, attn)
+        announce(run, n_params, peak, attn, on_disk)
         timing = train(run, model, optimizer, loader, take_step, accounting.flops_per_token(cfg, n_params),
                        evaluate_now and functools.partial(evaluate_now, run))
         record = gpt_figures.measured(fabric, cfg, timing, n_params, plan, progress, peak)
@@ -510,9 +513,9 @@ def main(argv=None) -> dict:
         record.update(gpt_figures.beside_the_plan(fabric, cfg, record, timing, n_params, held, setup_peak, host))
         record.update(text_record(cfg, progress), attention_kernel=attention_kernel(cfg, fabric.device, attn),
                       model_build="partitioned (deepspeed.zero.Init)" if cfg.layout.zero_stage == 3 else
-                      "whole on every rank")
+                      "whole on every rank", disk_planned=on_disk)
         if cfg.export:
-            record["exported_to"] = export(fabric, cfg, model, run.dir)
+            record["exported_to"] = export(fabric, cfg, model, run)
         record = run.finish(record, trained=timing["steps_here"] > 0)
     gpt_figures.print_summary(fabric, record)
     return record
@@ -556,8 +559,9 @@ def steps_of_the_strategy(fabric: Fabric, cfg: Config, model):
     return take_step, lambda run: (evaluate(run, model, val, schedule), evaluate(run, model, train, schedule))
 
 
-def announce(run: Run, n_params: int, peak: tuple, attn: str) -> None:
-    """The run's size, the attention kernel it gets and, when over a minute, its planned duration."""
+def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> None:
+    """The run's size, the attention kernel it gets, the disk it writes and, when over a minute, its planned
+    duration."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
     if cfg.dataset == "text" and fabric.is_global_zero:  # the run carries its tokenizer: lab.sample and hf/ read it
         text_corpus.save_tokenizer(prepared_text(cfg), run.dir)
@@ -566,16 +570,23 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str) -> None:
                  f"{cfg.micro_batch_size} x {cfg.grad_accum} x {cfg.layout.dp_size} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     fabric.print(f"attention: {attention_kernel(cfg, fabric.device, attn)}")
+    disk.print_disk_plan(cfg, on_disk, fabric.print)
     gpt_figures.announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
 
 
-def export(fabric: Fabric, cfg: Config, model, run_dir) -> str | None:
+def disk_plan(cfg: Config) -> dict:
+    """The bytes this run writes (core/plan/disk.py) beside each folder's free space."""
+    export_word = hf_export.export_dtype(cfg.precision, cfg.export_dtype).itemsize if cfg.export else 0
+    return disk.disk_plan(cfg, count_parameters(cfg)[0], export_word)
+
+
+def export(fabric: Fabric, cfg: Config, model, run: Run) -> str | None:
     """runs/<run>/hf/: the model gathered into one ordinary state dict on rank 0, as a Hugging Face folder."""
     state_dict = strategies.export_state_dict(fabric, model, cfg)
     if fabric.global_rank != 0:
         return None
     dtype = hf_export.export_dtype(cfg.precision, cfg.export_dtype)
-    return str(hf_export.write_hf_folder(state_dict, cfg, run_dir / "hf", dtype))
+    return str(hf_export.write_hf_folder(state_dict, cfg, run.dir / "hf", dtype, run.last_checkpoint))
 
 
 def fabric_precision(cfg: Config, on_gpu: bool) -> dict:

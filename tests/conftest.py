@@ -95,6 +95,34 @@ def run_script(*args, timeout=600, check=True, env=None, cold=False) -> subproce
     return proc
 
 
+@contextlib.contextmanager
+def small_disk(folder: Path, size: int):
+    """A real file system of `size` bytes at `folder`, a tmpfs, unmounted after: what a full disk is tested on. CI
+    runs as root; without the right to mount the test fails saying so, rather than pass untested."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)}", "tmpfs", str(folder)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.fail(f"a full disk is tested on a real tmpfs, and mounting one needs root (as CI has): {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def fill(folder: Path, leave: int = 0) -> Path:
+    """Take every free byte of `folder`'s file system but `leave`, as another program writing there would."""
+    filler = folder / "filler"
+    with open(filler, "ab") as f:
+        while (free := shutil.disk_usage(folder).free) > leave:
+            try:
+                f.write(b"\0" * min(free - leave, 1 << 20))
+                f.flush()
+            except OSError:
+                break
+    return filler
+
+
 def free_port() -> int:
     import socket
 

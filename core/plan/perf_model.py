@@ -16,7 +16,7 @@ import torch
 
 from core.gpt import gpt_model
 from core.gpt.strategies import fsdp_gathers_bf16
-from core.plan import accounting, cpu_probe
+from core.plan import accounting, cpu_probe, disk
 from core.run import measurements
 from core.run.files import write_atomic
 from core.run.flags import ConfigError
@@ -719,6 +719,8 @@ def plan(cfg, step_script: str = "") -> dict:
         print(f"  host memory: {host['per_process'] / 2**30:.2f} GiB per process (libraries {host['baseline'] / 2**30:.2f}, "
               f"build {host['construction'] / 2**30:.2f}, training {host['training'] / 2**30:.2f}, checkpoint "
               f"{host['checkpoint'] / 2**30:.2f}), {host['machine'] / 2**30:.2f} GiB for {cfg.devices} process(es) {verdict}")
+        result["disk"] = disk.disk_plan(cfg, n_params)  # the bytes are the cluster's; the free space this machine's
+        disk.print_disk_plan(cfg, result["disk"], local=cluster.name == "cpu")
         print_time_plan(cfg, result["time"])
     if cfg.plan_json:
         write_json(cfg.plan_json, result)

@@ -7,7 +7,6 @@ rename once every rank has written (its files through files.write_atomic or fabr
 skips a damaged one with the reason, every rank taking the same decision.
 """
 
-import errno
 import json
 import os
 import re
@@ -19,19 +18,21 @@ from pathlib import Path
 
 import torch
 
-from core.run.files import PARTIAL, write_json_atomic
+from core.run.files import PARTIAL, DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.ranks import any_rank
 
 RECORD = "record.json"
+MARGIN = 256 * 2**10  # bytes kept free beyond a planned checkpoint: a file system's pages and directory entries
+
+
+def room_needed(planned_bytes: float) -> float:
+    """The free bytes a planned checkpoint is written into: 10% and MARGIN beyond the plan (within 3% of real ones)."""
+    return 1.1 * planned_bytes + MARGIN
 STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
 class ResumeError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and the fix."""
-
-
-class DiskFull(RuntimeError):
-    """A checkpoint or record could not be written for lack of space: nothing complete was lost."""
 
 
 def read_record(run_dir) -> dict | None:
@@ -87,17 +88,37 @@ def damaged_files(path: Path) -> str | None:
 class Checkpoints:
     """Numbered, atomically written checkpoints in one folder, keeping the newest `keep_last`."""
 
-    def __init__(self, folder, keep_last: int = 3, per_rank_files: bool = False):
+    def __init__(self, folder, keep_last: int = 3, per_rank_files: bool = False, planned_bytes: float = 0.0):
         # per_rank_files: each rank writes its own torch.save file, for models Fabric cannot save (pipeline
-        # stages hold plain tensors, which ModelParallelStrategy's distributed checkpoint refuses)
+        # stages hold plain tensors, which ModelParallelStrategy's distributed checkpoint refuses).
+        # planned_bytes: one checkpoint, all ranks' files (core/plan/disk.py), checked against the free space first
         self.folder, self.keep_last, self.per_rank_files = Path(folder), keep_last, per_rank_files
+        self.planned_bytes = planned_bytes
 
-    def _write(self, fabric, path: Path, state: dict) -> None:
-        if not self.per_rank_files:
-            return fabric.save(path, state)
-        path.mkdir(parents=True, exist_ok=True)
-        plain = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
-        torch.save(plain, path / f"rank-{fabric.global_rank:05d}.pt")
+    def _write(self, fabric, path: Path, state: dict) -> BaseException | None:
+        """Write this rank's part; a full disk is returned (any other error raised) once this rank has been through
+        every collective the save holds, so that no rank waits for one that left early."""
+        if self.per_rank_files:
+            plain = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+            return disk_full(lambda: (path.mkdir(parents=True, exist_ok=True),
+                                      torch.save(plain, path / f"rank-{fabric.global_rank:05d}.pt")), path.parent)
+        problem = disk_full(lambda: fabric.save(path, state), path.parent)
+        if problem is not None and fabric.world_size > 1:
+            # the barriers a failed write skipped and the other ranks wait in: Fabric's after every save, and before it
+            # DeepSpeed's closing one (DCP agrees on errors itself; a replicated model is written by rank 0 alone)
+            for _ in range(2 if "DeepSpeed" in type(fabric.strategy).__name__ else 1):
+                fabric.barrier()
+        return problem
+
+    def needed(self) -> float:
+        return room_needed(self.planned_bytes)
+
+    def room(self, fabric) -> int | None:
+        """The free bytes when less than the planned checkpoint needs, else None; every rank answers the same."""
+        if not self.planned_bytes:
+            return None
+        free = free_bytes(self.folder)
+        return free if any_rank(fabric, free < self.needed())[0] else None
 
     def _read(self, fabric, path: Path, state: dict) -> None:
         if not self.per_rank_files:
@@ -124,17 +145,23 @@ class Checkpoints:
             shutil.rmtree(p, ignore_errors=True)
 
     def save(self, fabric, state: dict, step: int, config: dict) -> Path:
+        """Write the checkpoint of `step` into a partial folder, then rename it complete. A disk without room for it
+        (the plan's bytes, or a write that met a full disk on any rank) stops every rank with one message, the partial
+        folder removed and every earlier checkpoint intact."""
         final = self.folder / f"step-{step:08d}"
         partial = final.with_name(final.name + PARTIAL)
+        if (free := self.room(fabric)) is not None:  # known before a byte is written
+            raise DiskFull(self.full_message(fabric, state, step, None, free))
         problem = None
         if fabric.global_rank == 0:
             problem = disk_full(lambda: (shutil.rmtree(partial, ignore_errors=True), partial.mkdir(parents=True),
-                                         write_json_atomic(partial / "config.json", config)))
-        fabric.barrier()
-        problem = problem or disk_full(lambda: self._write(fabric, partial / "state", state))
+                                         write_json_atomic(partial / "config.json", config)), self.folder)
+        if any_rank(fabric, problem is not None)[0]:  # the folder itself did not fit: no rank writes into it
+            self.remove_partial(fabric, partial)
+            raise DiskFull(self.full_message(fabric, state, step, problem))
+        problem = self._write(fabric, partial / "state", state)
         if any_rank(fabric, problem is not None)[0]:  # every rank stops, and the partial folder goes
-            if fabric.global_rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
+            self.remove_partial(fabric, partial)
             raise DiskFull(self.full_message(fabric, state, step, problem))
         fabric.barrier()  # every rank's shard is written before the folder is declared complete
         if fabric.global_rank == 0:
@@ -147,20 +174,27 @@ class Checkpoints:
         fabric.barrier()
         return final
 
-    def full_message(self, fabric, state: dict, step: int, problem: OSError | None) -> str:
+    def remove_partial(self, fabric, partial: Path) -> None:
+        fabric.barrier()  # every rank has stopped writing into it
+        if fabric.global_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        fabric.barrier()
+
+    def full_message(self, fabric, state: dict, step: int, problem: BaseException | None, free: int | None = None) -> str:
         """The folder, the bytes the checkpoint needs and has, the last complete checkpoint and how to resume."""
-        need = sum(state_bytes(v) for v in state.values())
-        if fabric.world_size > 1:
+        need = self.planned_bytes or sum(state_bytes(v) for v in state.values())
+        if fabric.world_size > 1 and not self.planned_bytes:
             need = float(fabric.all_reduce(torch.tensor(float(need), device=fabric.device), reduce_op="sum"))
-        free = shutil.disk_usage(self.folder if self.folder.exists() else self.folder.parent).free
+        free = free_bytes(self.folder) if free is None else free
         last = self.complete()
         kept = (f"the last complete checkpoint, {last[-1]}, is intact: free space (or move --out-dir) and continue with "
                 f"--resume auto --run-name {self.folder.parent.name}") if last else \
             "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
+        how = f"a write failed: {why_full(problem)}" if problem else "found before writing"
+        margin = f", less than the {self.needed() / 2**20:,.1f} MiB kept for it" if self.planned_bytes and not problem else ""
         return (f"no space left to write the checkpoint of step {step} into {self.folder}: it needs about "
-                f"{need / 2**20:,.1f} MiB and the disk has {free / 2**20:,.1f} MiB free"
-                f"{f' ({problem.strerror})' if problem else ' (on another process)'}. The partial checkpoint was removed; "
-                f"{kept}")
+                f"{need / 2**20:,.1f} MiB and the disk has {free / 2**20:,.1f} MiB free{margin} ({how}). "
+                f"{'The partial checkpoint was removed; ' if problem else 'Nothing was written; '}{kept}")
 
     def resolve(self, resume: str) -> list[Path]:
         """Candidates for --resume, newest first: `auto` lists this run's checkpoints, a path names one."""
@@ -233,17 +267,6 @@ class Checkpoints:
 def checkpoint_folder(resume: str) -> Path:
     path = Path(resume)
     return path.parent if path.name == "state" else path
-
-
-def disk_full(write) -> OSError | None:
-    """Run `write`; return its error when the disk (or the quota) was full, raise any other."""
-    try:
-        write()
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
-        raise
-    return None
 
 
 def state_bytes(obj) -> int:

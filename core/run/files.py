@@ -1,10 +1,13 @@
 """Files read and written whole: every write goes through a temporary name, fsync and rename (`write_atomic`: the
 one writer of the repository's JSON records, downloads, prepared data and checkpoint folders), so a reader sees the
-old file or the new one, never half of one; and `fetch`, the bytes of a file from a URL or a local folder (a mirror).
+old file or the new one, never half of one; `fetch`, the bytes of a file from a URL or a local folder (a mirror); and
+a full disk told from any other failure, whichever library met it (`disk_full`).
 """
 
+import errno
 import json
 import os
+import shutil
 import sys
 import tempfile
 import urllib.parse
@@ -12,6 +15,16 @@ import urllib.request
 from pathlib import Path
 
 PARTIAL = ".partial"  # the suffix of what is still being written: a temporary file, a checkpoint folder
+# What libraries say when a write found no room: an OSError's errno, or the text of the error they made of it
+# (shutil.copytree's list of errors, torch's zip writer "file write failed", numpy's short write, DCP's errors)
+FULL = (errno.ENOSPC, errno.EDQUOT)
+FULL_TEXT = ("No space left on device", "[Errno 28]", "[Errno 122]", "Disk quota exceeded")
+WRITE_FAILED = ("file write failed", "unexpected pos", "failed writing", "write failed", "requested and")
+NEARLY_FULL = 1 << 20  # a write that failed on a file system with less than this free found it full
+
+
+class DiskFull(RuntimeError):
+    """A checkpoint, record, download or export could not be written for lack of space: nothing complete was lost."""
 
 
 def write_atomic(path, data: bytes) -> None:
@@ -61,3 +74,47 @@ def _read_with_progress(response, filename: str) -> bytes:
             chunks.append(chunk)
             bar.update(len(chunk))
     return b"".join(chunks)
+
+
+def free_bytes(folder) -> int:
+    """Free space of the file system that holds `folder` (or would: its nearest existing parent)."""
+    path = Path(folder).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def is_disk_full(e: BaseException, folder) -> bool:
+    """Whether `e`, raised while writing into `folder`, means its disk (or quota) is full: an OSError's errno
+    anywhere in its chain, the words a library put in its own error, or a write that failed where the disk has
+    nothing left."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = f"{e} {e.args!r}"
+    if any(s in text for s in FULL_TEXT):
+        return True
+    return any(s in text for s in WRITE_FAILED) and free_bytes(folder) < NEARLY_FULL
+
+
+def disk_full(write, folder) -> BaseException | None:
+    """Run `write` (into `folder`); return its error when the disk was full, raise any other."""
+    try:
+        write()
+    except Exception as e:
+        if is_disk_full(e, folder):
+            return e
+        raise
+    return None
+
+
+def why_full(e: BaseException | None) -> str:
+    """A full disk's error in a few words, whatever library raised it (shutil.Error carries a list of them)."""
+    if e is None:
+        return "on another process"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e)
+    return next((s for s in FULL_TEXT if s in text), f"{type(e).__name__}: {text[:80]}")

@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import signal
 import sys
 import time
@@ -24,12 +23,12 @@ from pathlib import Path
 import torch
 
 from core.run import flags
-from core.run.checkpoints import (RECORD, STEP_DIR, Checkpoints, DiskFull, ResumeError, checkpoint_folder, damaged_files,
-                                  disk_full, read_record)
-from core.run.files import write_json_atomic
+from core.run import folder_lock
+from core.run.checkpoints import RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files, read_record
+from core.run.files import DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name
-from core.run.ranks import LOST_PEER, PeerWatch, launcher, watch_peers, watch_ranks
+from core.run.ranks import LOST_PEER, PeerWatch, any_rank, first_process, global_rank, launcher, watch_peers, watch_ranks
 from core.run.step_watch import NonFiniteLoss
 from core.run.stops import Stopped, StoppedAtOnce, StopRequest, requeue_slurm_job, say
 
@@ -76,7 +75,9 @@ def exits(*errors):
     try:
         yield stop
         end_process_group()
-    except (ConfigError, ResumeError, NonFiniteLoss, DiskFull, *errors) as e:
+    except (folder_lock.FolderBusy, DiskFull) as e:  # every rank of the run stops on it: rank 0 says so, once
+        sys.exit(f"error: {e}" if global_rank() == 0 else 1)
+    except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
         sys.exit(f"error: {e}")
     except RuntimeError as e:  # a collective whose peer died
         if not any(s in str(e) for s in LOST_PEER):
@@ -98,6 +99,7 @@ def exits(*errors):
         sys.exit(128 + signal.SIGINT)
     finally:
         stop.close()
+        folder_lock.release_all()
 
 
 def end_process_group() -> None:
@@ -137,10 +139,14 @@ def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | N
     flags) already reached what cfg asks for (`finished(record, cfg)`), that record, returned so that a requeued job
     that finished does not train twice."""
     asked = cfg.resume  # --resume auto may turn into a start (nothing to resume), in the run's own folder
+    if cfg.resume == "auto" and cfg.run_name and first_process():  # before reading a folder another run writes
+        folder_lock.refuse_if_held(Path(cfg.out_dir) / cfg.run_name)
     if cfg.resume == "auto" and (done := resume_or_start(cfg, kind, finished, identity or {})) is not None:
         return done
     if cfg.resume and not cfg.run_name:
         cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
+    if cfg.run_name and first_process():  # a run already writing there (its other ranks learn it in Run)
+        folder_lock.refuse_if_held(Path(cfg.out_dir) / cfg.run_name)
     if not asked:
         refuse_existing_run(cfg)
     return None
@@ -185,7 +191,7 @@ class Run:
     train() receives this object as its context."""
 
     def __init__(self, fabric, cfg, kind: str, state: dict, stop: StopRequest, check_config=None,
-                 per_rank_checkpoints: bool = False, identity: dict | None = None):
+                 per_rank_checkpoints: bool = False, identity: dict | None = None, checkpoint_bytes: float = 0.0):
         from lightning.fabric.loggers import TensorBoardLogger
 
         self.fabric, self.cfg, self.kind, self.state = fabric, cfg, kind, state
@@ -196,14 +202,22 @@ class Run:
         cfg.run_name = fabric.broadcast(cfg.run_name or unused_name(cfg.out_dir, f"{kind}-{default_name(cfg)}-"
                                                                                  f"{datetime.now():%Y%m%d-%H%M%S}"))
         self.dir = Path(cfg.out_dir) / cfg.run_name
+        self.hold_folder()
         self.logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
-        self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints)
+        self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints, checkpoint_bytes)
         self.last_checkpoint: Path | None = None
         self.stop = stop  # requested() at step boundaries; its signal names the stop
         fabric.print(f"config: {self.config()}")
 
     def config(self) -> dict:
         return {"kind": self.kind, **dataclasses.asdict(self.cfg), **self.identity}
+
+    def hold_folder(self) -> None:
+        """Rank 0 takes the run folder's lock before anything is written into it; every rank stops if another
+        process holds it (two runs started together, both past find_run's look)."""
+        who = folder_lock.hold(self.dir) if self.fabric.global_rank == 0 else None
+        if any_rank(self.fabric, who is not None)[0]:
+            raise folder_lock.FolderBusy(folder_lock.busy_message(self.dir, self.fabric.broadcast(who)))
 
     def start(self) -> None:
         """Resume if asked (or refuse with the fix), then record the config the run continues under."""
@@ -271,11 +285,12 @@ class Run:
             self.fabric.print(f"no step trained: {self.dir / RECORD} of the earlier run is kept as it is")
             return earlier
         if self.fabric.is_global_zero:
-            problem = disk_full(lambda: write_json_atomic(self.dir / RECORD, record))
+            problem = disk_full(lambda: write_json_atomic(self.dir / RECORD, record), self.dir)
             if problem:
-                raise DiskFull(f"no space left to write {self.dir / RECORD} ({len(json.dumps(record, default=str)):,} "
-                               f"bytes; {shutil.disk_usage(self.dir).free:,} free): the training finished and its last "
-                               f"checkpoint, {self.last_checkpoint}, is intact; free space and run again with "
+                raise DiskFull(f"no space left to write {self.dir / RECORD}: it needs "
+                               f"{len(json.dumps(record, indent=2, default=str)):,} bytes and the disk has "
+                               f"{free_bytes(self.dir):,} free ({why_full(problem)}). The training finished and its last "
+                               f"checkpoint, {self.last_checkpoint}, is intact: free space and run again with "
                                f"--resume auto --run-name {self.cfg.run_name} to write the record")
             self.logger.log_hyperparams(dataclasses.asdict(self.cfg), metrics)
             self.logger.finalize("success")
@@ -297,7 +312,7 @@ def refuse_existing_run(cfg) -> None:
     would be mixed with or replace the earlier ones). Every rank checks before any rank starts writing:
     the launcher's rendezvous comes after this check."""
     folder = Path(cfg.out_dir) / cfg.run_name
-    if cfg.run_name and folder.is_dir() and any(folder.iterdir()):
+    if cfg.run_name and folder.is_dir() and any(not folder_lock.is_lock(p) for p in folder.iterdir()):
         raise ConfigError(f"run {folder} exists; a new run does not overwrite it. Fix: continue it with --resume auto "
                           f"--run-name {cfg.run_name}, or start a new run with another --run-name (or remove the folder)")
 

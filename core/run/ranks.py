@@ -69,6 +69,22 @@ def take_fabric_run_settings(cfg, argv: list[str]):
     return dataclasses.replace(cfg, **theirs_all)
 
 
+def first_process(environ=None) -> bool:
+    """Whether this process becomes global rank 0: not a rank Fabric started beside it, and rank 0 by its launcher's
+    word (RANK under torchrun, SLURM_PROCID under srun, NODE_RANK when started by hand)."""
+    env = os.environ if environ is None else environ
+    return not started_by_fabric(env) and all(env.get(k, "0") == "0" for k in ("RANK", "SLURM_PROCID", "NODE_RANK"))
+
+
+def global_rank() -> int:
+    """This process's rank in its run: the process group's once it exists, else 0 for the first process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0 if first_process() else 1
+
+
 def started_by_fabric(environ=None) -> bool:
     """A rank that Fabric started beside rank 0 (its local rank above 0), not one a launcher started."""
     env = os.environ if environ is None else environ

@@ -1,0 +1,136 @@
+"""The disk a GPT run writes, planned before it starts as its memory is: each checkpoint (every rank's files
+together), the checkpoints kept (--keep-last, one more while a save completes), the NVMe offload folder of
+ZeRO-Infinity, and the Hugging Face export; beside the free space of each folder's file system. A run whose first
+checkpoint (with its NVMe folder, where that shares the file system) cannot fit is refused before the model is built,
+naming what would fit; the checkpoints save checks the same figure before any rank writes.
+
+The sizes are what each strategy's writer puts on disk, counted from the parameters P and the parameter tensors T
+(GPT-2: 4 + 12 per block): the weights in their training dtype, AdamW's two moments (plain SGD keeps none), ZeRO's
+float32 master copy, the tied head written a second time where the model's state is saved per name (a distributed
+checkpoint, a pipeline's last stage), and each writer's own cost per tensor. Measured on the tiny model under every
+strategy and on `small` under ZeRO-Infinity (tests/test_faults.py compares them with real checkpoints).
+"""
+
+import shutil
+from pathlib import Path
+
+from core.plan.accounting import weight_bytes
+from core.run.checkpoints import room_needed
+from core.run.flags import ConfigError
+from core.run.ranks import first_process
+
+ZIP_RECORD = 300  # torch.save's zip archive: a record's headers and its pickle (280-434 bytes measured)
+DCP_ITEM = 1_600  # a distributed checkpoint: each item a rank writes, with its share of .metadata (1,560 measured)
+DEEPSPEED_FILES = 41_080  # zero_to_fp32.py, zero_to_torch.py and `latest`, copied into every DeepSpeed checkpoint
+DEEPSPEED_RANK_FILE = 15_000  # ZeRO-3's per-rank model-states file: the partitioned parameters' placeholders
+RUN_FILES = 256 * 2**10  # config.json, record.json and TensorBoard's events beside the checkpoints
+
+
+def tensors(cfg) -> int:
+    """GPT-2's parameter tensors: wte, wpe, the final LayerNorm's two, and 12 per block (the head is wte's)."""
+    return 4 + 12 * cfg.n_layer
+
+
+def checkpoint_bytes(cfg, P: int) -> float:
+    """One checkpoint on disk, every rank's files together."""
+    lay, T, m = cfg.layout, tensors(cfg), 2 if cfg.optimizer == "adamw" else 0
+    word, head = weight_bytes(cfg), cfg.vocab_size * cfg.n_embd
+    steps = 4 * T * (m > 0)  # AdamW's step counters, one float a tensor
+    if lay.deepspeed:  # module weights (ZeRO-3: placeholders per rank) and, per rank, the fp32 master and moments
+        module = lay.world * DEEPSPEED_RANK_FILE if lay.zero_stage == 3 else word * P + 8 * ZIP_RECORD
+        # ZeRO-Infinity copies its optimizer's swap files (no gradients) instead of writing the states itself
+        optimizer = (4 + 4 * m) * P + lay.world * 14 * ZIP_RECORD
+        return module + optimizer + DEEPSPEED_FILES
+    states = (1 + m) * word * P + steps
+    if lay.model_parallel and not lay.pipeline:  # a distributed checkpoint: the head saved by name, items per rank
+        if lay.tensor_parallel:  # tp splits 6 tensors a block over its ranks, the rest once per FSDP2 shard
+            items = lay.dp_size * (6 * cfg.n_layer * lay.tp_size + (T + 1 - 6 * cfg.n_layer))
+        else:  # FSDP2 shards every tensor: each rank writes its part of each
+            items = lay.world * (T + 1)
+        return states + word * head + items * (2 + m) * DCP_ITEM
+    if lay.pipeline:  # each stage its own file; the last stage holds the head as a copy of wte
+        return states + (1 + m) * word * head + (T + 1 + lay.world * 1.5) * (2 + m) * ZIP_RECORD
+    return states + (T * (2 + m) + 6) * ZIP_RECORD
+
+
+def nvme_bytes(cfg, P: int) -> float:
+    """ZeRO-Infinity's swap folder: the optimizer's float32 master weights, moments and gradients, and the weights in
+    their training dtype (the tied embedding swapped twice). An upper bound: DeepSpeed keeps in memory what fits its
+    CPU budget (the tiny model writes nothing there)."""
+    if not cfg.nvme_path:
+        return 0.0
+    return 16 * P + weight_bytes(cfg) * (P + cfg.vocab_size * cfg.n_embd)
+
+
+def export_bytes(cfg, P: int, dtype_bytes: int) -> float:
+    """The Hugging Face folder: safetensors of every weight (the head tied: once), config and tokenizer files."""
+    return dtype_bytes * P + 64 * 2**10
+
+
+def free_bytes(folder) -> int:
+    """Free space of the file system that holds `folder` (or would: its nearest existing parent)."""
+    path = Path(folder).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def device_of(folder) -> int:
+    path = Path(folder).absolute()
+    while not path.exists():
+        path = path.parent
+    return path.stat().st_dev
+
+
+def disk_plan(cfg, P: int, export_dtype_bytes: int = 0) -> dict:
+    """What the run writes, where, and what each file system holds free: bytes of one checkpoint, of the checkpoints
+    kept (one more while a save completes, before the oldest goes), of the NVMe folder and of the export."""
+    run_dir = Path(cfg.out_dir) / (cfg.run_name or "run")
+    one = checkpoint_bytes(cfg, P)
+    plan = {"checkpoint": one, "checkpoints_kept": cfg.keep_last * one, "while_saving": (cfg.keep_last + 1) * one,
+            "nvme": nvme_bytes(cfg, P), "export": export_bytes(cfg, P, export_dtype_bytes) if export_dtype_bytes else 0.0,
+            "run_folder": str(run_dir)}
+    needs = {str(run_dir): room_needed(one) + RUN_FILES}  # the first checkpoint: what must fit before anything trains
+    if cfg.nvme_path:
+        needs[cfg.nvme_path] = plan["nvme"]
+    by_device: dict = {}
+    for folder, need in needs.items():
+        dev = device_of(folder)
+        by_device.setdefault(dev, {"folders": [], "first": 0.0, "free": free_bytes(folder)})
+        by_device[dev]["folders"].append(folder)
+        by_device[dev]["first"] += need
+    plan["file_systems"] = list(by_device.values())
+    return plan
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**30:,.2f} GiB" if b >= 2**30 else f"{b / 2**20:,.1f} MiB"
+
+
+def print_disk_plan(cfg, plan: dict, out=print, local: bool = True) -> None:
+    """The bytes (every rank's files: on a cluster, the shared file system's), and where `local` each folder's room."""
+    out(f"  disk: each checkpoint {mib(plan['checkpoint'])}, {mib(plan['while_saving'])} with --keep-last "
+        f"{cfg.keep_last} while a save completes" + (f"; NVMe folder {mib(plan['nvme'])}" if plan["nvme"] else "")
+        + (f"; --export {mib(plan['export'])}" if plan["export"] else ""))
+    for fs in plan["file_systems"] if local else []:
+        out(f"    {', '.join(fs['folders'])}: the first checkpoint needs {mib(fs['first'])}, {mib(fs['free'])} free")
+
+
+def check_disk(cfg, plan: dict) -> None:
+    """Refuse a run whose first checkpoint cannot fit (with its NVMe folder where that shares the file system),
+    naming what would; warn when the checkpoints kept would not."""
+    for fs in plan["file_systems"]:
+        if fs["first"] > fs["free"]:
+            shown = " and ".join(fs["folders"])
+            raise ConfigError(f"the disk of {shown} has {mib(fs['free'])} free and this run's first checkpoint needs "
+                              f"{mib(fs['first'])}" + (f" (with the NVMe folder's {mib(plan['nvme'])})" if plan["nvme"]
+                                                        and cfg.nvme_path in fs["folders"] else "")
+                              + f": nothing would be saved. Fix: free {mib(fs['first'] - fs['free'])} there, or give "
+                              "--out-dir (and --nvme-path) on a disk with more room")
+    run_fs = plan["file_systems"][0]
+    others = run_fs["first"] - room_needed(plan["checkpoint"])
+    kept = int((run_fs["free"] - others - room_needed(0)) // (1.1 * plan["checkpoint"])) - 1 if plan["checkpoint"] else cfg.keep_last
+    if kept < cfg.keep_last and first_process():
+        print(f"warning: {run_fs['folders'][0]}'s disk holds {kept + 1} checkpoint(s) of {mib(plan['checkpoint'])} "
+              f"({mib(run_fs['free'])} free), not the {cfg.keep_last + 1} of --keep-last {cfg.keep_last} while a save "
+              f"completes: a later save will stop the run; --keep-last {max(kept, 1)} fits", flush=True)
