@@ -61,7 +61,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                         runtime=True)
     num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: 256; "
                            "text: --steps' worth)", min=1, zero=True)
-    micro_batch_size: int = opt(4, "samples per data-parallel rank per forward/backward", min=1)
+    micro_batch_size: int = opt(0, "samples per data-parallel rank per forward/backward (0: on a GPU the largest the "
+                                "memory plan fits, else 4)", min=1, zero=True)
     grad_accum: int = opt(0, "micro-batches per optimizer step (0: 1, or under pp one per stage: the micro-batches "
                           "in flight)", min=1, zero=True)
     steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0,
@@ -116,7 +117,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     eval_batches: int = opt(20, "global batches of fixed validation windows per evaluation", min=1, runtime=True)
     timing_warmup: int = opt(2, "first optimizer steps left out of time and throughput", min=0,
                              group="run, measurement and checkpoints", runtime=True)
-    log_every: int = opt(1, "optimizer steps between log lines", min=1, runtime=True)
+    log_every: int = opt(0, "optimizer steps between log lines (0: 10 on a GPU, where a log line reads the device, "
+                         "else 1)", min=1, zero=True, runtime=True)
     out_dir: str = opt("runs", "folder holding one folder per run", check=flags.Folder(), runtime=True)
     run_name: str = opt("", "run folder name (default: gpt-<model>-<strategy>-<date-time>)", check=flags.RunName(),
                         runtime=True)
@@ -137,12 +139,30 @@ def resolve(cfg: Config) -> Config:
     n_embd, n_layer, n_head, seq_len, vocab = PRESETS[cfg.model]
     dataset = cfg.dataset or ("text" if cfg.text or cfg.tokenizer else "random")
     text = dataset == "text"
-    return dataclasses.replace(cfg, dataset=dataset, tokenizer=cfg.tokenizer or ("char" if text else ""), n_embd=cfg.n_embd or n_embd, n_layer=cfg.n_layer or n_layer,
-                               n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
-                               vocab_size=cfg.vocab_size or (0 if text else vocab),
-                               num_samples=cfg.num_samples or (0 if text else 256),
-                               grad_accum=cfg.grad_accum or cfg.layout.pp_size,
-                               lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4))
+    cfg = dataclasses.replace(cfg, dataset=dataset, tokenizer=cfg.tokenizer or ("char" if text else ""), n_embd=cfg.n_embd or n_embd, n_layer=cfg.n_layer or n_layer,
+                              n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
+                              vocab_size=cfg.vocab_size or (0 if text else vocab),
+                              num_samples=cfg.num_samples or (0 if text else 256),
+                              grad_accum=cfg.grad_accum or cfg.layout.pp_size,
+                              lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4),
+                              log_every=cfg.log_every or (10 if uses_gpu(cfg.accelerator) else 1))
+    return cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
+
+
+def default_micro_batch(cfg: Config) -> int:
+    """--micro-batch-size 0: on a GPU (or in a plan for one) the largest power of two up to 64 whose memory plan fits
+    its memory (keeping the plan's 10%) and whose global batch divides the samples; elsewhere 4."""
+    memory = (cfg.device_memory_gb * 2**30 if cfg.device_memory_gb else
+              perf_model.CLUSTERS[cfg.cluster].memory_bytes if cfg.cluster in perf_model.CLUSTERS else
+              torch.cuda.get_device_properties(0).total_memory if uses_gpu(cfg.accelerator) and torch.cuda.is_available()
+              else 0)
+    if not memory:
+        return 4
+    counted = count_parameters(cfg)
+    divides = lambda m: not cfg.num_samples or cfg.num_samples % (m * cfg.grad_accum * cfg.layout.dp_size) == 0  # noqa: E731
+    fits = [m for m in (1, 2, 4, 8, 16, 32, 64) if divides(m) and accounting.memory_plan(
+        dataclasses.replace(cfg, micro_batch_size=m, accelerator="cuda"), *counted)["total"] < 0.9 * memory]
+    return max(fits, default=1)
 
 
 def resolve_text(cfg: Config) -> None:

@@ -191,7 +191,7 @@ def _is_dense(x: torch.Tensor) -> bool:
 
 
 def _register_python_side() -> None:
-    """Fake (meta) kernel for torch.compile and the meta device, and autograd through the C++ backward."""
+    """Fake (meta) kernels for torch.compile and the meta device; autograd is the C++ side's (GeluFunction)."""
 
     def like(x, same_strides=True):  # the C++ kernels keep a dense input's layout, else return contiguous
         dense = same_strides and _is_dense(x)
@@ -204,16 +204,6 @@ def _register_python_side() -> None:
     @torch.library.register_fake("gelu_ext::gelu_backward")
     def _(grad, x, approximate):
         return like(x, grad.stride() == x.stride())
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.approximate = inputs[1]
-
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return torch.ops.gelu_ext.gelu_backward(grad, x, ctx.approximate), None
-
-    torch.library.register_autograd("gelu_ext::gelu_forward", backward, setup_context=setup_context)
 
 
 def gelu_cpp(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

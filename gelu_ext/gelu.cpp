@@ -11,6 +11,8 @@
 // is what lets Vectorized::erf run as SIMD code. float32/float64 run natively; each register of
 // float16/bfloat16 values is widened to two float32 registers, computed and narrowed back in the same
 // pass, as PyTorch does for reduced precision.
+// Autograd is registered here too (GeluFunction below, at the dispatcher's Autograd key): a backward that is a C++
+// node, so that no Python runs in it (on CUDA, autograd's device thread would take the GIL for a Python backward).
 // CUDA tensors run the kernels of gelu_cuda.cu where the build had the CUDA toolkit (GELU_EXT_CUDA_KERNEL), else a
 // composition of ATen ops: correct, not a hand-written kernel. gelu_forward_scalar/gelu_backward_scalar run
 // gelu_math.h's one-value formulas (the CUDA kernel's body) over CPU tensors, so that CPU tests can check them.
@@ -20,6 +22,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -267,6 +270,34 @@ at::Tensor gelu_backward_composite(const at::Tensor& grad, const at::Tensor& inp
   return (g * d).to(input.scalar_type());
 }
 
+// The autograd formula as a C++ node: forward saves the input and calls gelu_forward below autograd (its CPU or CUDA
+// kernel), backward calls gelu_backward. No Python on either side.
+class GeluFunction : public torch::autograd::Function<GeluFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, std::string approximate) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("gelu_ext::gelu_forward", "")
+                         .typed<at::Tensor(const at::Tensor&, std::string)>();
+    ctx->save_for_backward({input});
+    ctx->saved_data["approximate"] = approximate;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(input, approximate);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("gelu_ext::gelu_backward", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, std::string)>();
+    const auto input = ctx->get_saved_variables()[0];
+    return {op.call(grads[0], input, ctx->saved_data["approximate"].toStringRef()), at::Tensor()};
+  }
+};
+
+at::Tensor gelu_forward_autograd(const at::Tensor& input, std::string approximate) {
+  return GeluFunction::apply(input, std::move(approximate));
+}
+
 TORCH_LIBRARY(gelu_ext, m) {
   m.def("gelu_forward(Tensor input, str approximate) -> Tensor");
   m.def("gelu_backward(Tensor grad, Tensor input, str approximate) -> Tensor");
@@ -279,6 +310,10 @@ TORCH_LIBRARY_IMPL(gelu_ext, CPU, m) {
   m.impl("gelu_backward", &gelu_backward_cpu);
   m.impl("gelu_forward_scalar", &gelu_forward_scalar_cpu);
   m.impl("gelu_backward_scalar", &gelu_backward_scalar_cpu);
+}
+
+TORCH_LIBRARY_IMPL(gelu_ext, Autograd, m) {
+  m.impl("gelu_forward", &gelu_forward_autograd);
 }
 
 #ifndef GELU_EXT_CUDA_KERNEL  // built with the toolkit, gelu_cuda.cu registers its kernels instead

@@ -131,11 +131,18 @@ def tiny(strategy: str = "", devices: int = 1) -> list:
 
 
 def gpt_1_6b(memory_gib: float) -> list:
-    """The course's model for 8 steps; AdamW on 1.56B needs ~25 GiB of states plus activations, so a GPU under
-    48 GiB recomputes them (--grad-checkpointing)."""
-    return ["fabric_gpt.py", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda",
-            "--micro-batch-size", "1", "--steps", "8", "--num-samples", "64",
+    """The course's model for 8 steps at the micro-batch `make gpt MODEL=1.6b` picks on this GPU (the largest its
+    memory plan fits); AdamW on 1.56B needs ~25 GiB of states, so a GPU under 48 GiB recomputes activations."""
+    return ["fabric_gpt.py", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda", "--steps", "8",
             *([] if memory_gib >= 48 else ["--grad-checkpointing"])]
+
+
+def profiled(out: Path) -> tuple[bool, str]:
+    """The 1.6B step's time split by kind (lab/step_profile.py): the measurement the GPU work starts from."""
+    r = json.loads((out / "gpt-1.6b-profile" / "profile.json").read_text())
+    shares = ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in r["shares"].items())
+    return (math.isfinite(r["loss"]) and abs(sum(r["shares"].values()) - 1) < 0.05,
+            f"{1e3 * r['step_s']:.0f} ms a step at micro-batch {r['micro_batch']}: {shares}")
 
 
 # ----------------------------------------------------------------------------- verdicts: (passed, the figure)
@@ -232,6 +239,9 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
     """In the order they run: the newest paths and the course's model first, so a short lease sees them."""
     single, nvme = ("gpt-single", tiny()), ("gpt-adamw", TINY_ADAMW)
     table = [
+        Check("gpt-1.6b-profile", "GPT-2 1.6B step, profiled", [("gpt-1.6b-profile", [
+            "-m", "lab.step_profile", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda"])],
+              profiled),
         Check("lenet-graphs", "LeNet-5 compiled, CUDA graphs", [("lenet-graphs", lenet(
             "--compile", "--compile-mode", "reduce-overhead", "--sync-check"))], lenet_graphed, ("lenet-graphs",)),
         Check("gelu", "C++ GELU on CUDA tensors", [("gelu", ["-m", "gelu_ext", command, "--device", "cuda",

@@ -272,3 +272,58 @@ def host_reads(monkeypatch, script_module, *args) -> dict:
     run_in_process(f"{script_module.__name__}.py", *args)
     monkeypatch.undo()
     return dict(counts)
+
+
+# ----------------------------------------------------------------------------- GPT runs shared by several test files
+SMALL = ["--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--num-samples", "48", "--accelerator", "cpu",
+         "--warmup-steps", "1"]
+# Plain SGD without clipping: AdamW's normalisation and clipping would hide a missing 1/accumulation or a
+# gradient summed where it should be averaged; with SGD they change the weights and the gradient norm.
+EXACT = [*SMALL, "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.5", "--export"]
+# Each strategy on 2 processes with the single process's global batch of 4 samples per step. Where the
+# data-parallel size is 2 the batch is 2 micro-batches of 1 per process: accumulation is proven at once.
+TWO_PROCESS = {
+    "ddp": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "deepspeed_stage_1": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "deepspeed_stage_2": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "deepspeed_stage_3": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "fsdp": ["--micro-batch-size", "1", "--grad-accum", "2"],
+    "tp": ["--micro-batch-size", "4"],
+    "fsdp_tp": ["--micro-batch-size", "4", "--tp-size", "2"],
+    "pp": ["--micro-batch-size", "2", "--grad-accum", "2"],
+    "pp_gpipe": ["--micro-batch-size", "2", "--grad-accum", "2", "--pp-schedule", "gpipe"],
+}
+
+
+def record(out: Path, name: str) -> dict:
+    return json.loads((out / name / "record.json").read_text())
+
+
+def losses(out: Path, name: str) -> list[float]:
+    return [loss for _, loss in record(out, name)["losses"]]
+
+
+def run_gpt(out: Path, name: str, *args, base=SMALL, check=True, timeout=600):
+    """Multi-process runs as a user starts them; single-process ones in the test process (no start-up)."""
+    if "--devices" in args:
+        return run_script("fabric_gpt.py", *base, "--out-dir", out, "--run-name", name, *args, check=check, timeout=timeout)
+    return run_in_process("fabric_gpt.py", *base, "--out-dir", out, "--run-name", name, *args, check=check)
+
+
+@pytest.fixture(scope="session")
+def single(tmp_path_factory):
+    """One process, SGD, the reference every strategy is compared with; also proves it learns."""
+    make = lambda out: run_gpt(out, "single", "--micro-batch-size", "4", base=EXACT)
+    return shared_dir(tmp_path_factory, "gpt-single", make), "single"
+
+
+@pytest.fixture(scope="session")
+def two_process(tmp_path_factory):
+    """Runs on 2 processes by strategy, made once and shared by the parity and resume tests."""
+    def get(name):
+        def make(out):
+            proc = run_gpt(out, name, "--strategy", name.removesuffix("_gpipe"), "--devices", "2", *TWO_PROCESS[name],
+                           "--count-comms", "--checkpoint-every", "2", "--keep-last", "6", base=EXACT)  # resumed mid-run
+            (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+        return shared_dir(tmp_path_factory, f"gpt-two-{name}", make), name
+    return get

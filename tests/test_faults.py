@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 import fabric_gpt as gpt
-from conftest import REPO, fill, read_summary, run_in_process, run_script, small_disk, wait_for_checkpoint
+from conftest import (EXACT, REPO, TWO_PROCESS, fill, losses, read_summary, record, run_in_process, run_script,
+                      small_disk, wait_for_checkpoint)
 from core.plan import disk
 from core.run import warm_python
 from core.run.checkpoints import room_needed
-from test_gpt import EXACT, SMALL, TWO_PROCESS, losses, record, single, two_process  # noqa: F401 (fixtures)
 
 TINY = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu"]
 

@@ -16,7 +16,7 @@ from conftest import REPO
 from core.gpt import hf_export, text_corpus
 from core.run import flags, warm_python
 from gelu_ext import __main__ as gelu_main
-from lab import bench, gpu_check, nanogpt_reference, report, sample
+from lab import bench, gpu_check, nanogpt_reference, report, sample, step_profile
 from lab import stages as lab
 
 PARSERS = {
@@ -30,6 +30,7 @@ PARSERS = {
     "datasets_local.py": datasets_local.build_parser,
     "python -m core.gpt.hf_export": hf_export.build_parser,
     "python -m lab.nanogpt_reference": nanogpt_reference.build_parser,
+    "python -m lab.step_profile": step_profile.build_parser,
     "python -m core.gpt.text_corpus": text_corpus.build_parser,
     "python -m gelu_ext": gelu_main.build_parser,
 }
@@ -79,7 +80,8 @@ def _flag(prefix, action, value) -> list:
 def refused(build, argv, capsys) -> str | None:
     """The one-line message when the parser refuses argv, None when it takes it."""
     try:
-        build().parse_args(argv) if build is not bench.build_parser else bench.parse_args(argv)
+        {bench.build_parser: bench.parse_args, step_profile.build_parser: step_profile.parse_args}.get(
+            build, lambda a: build().parse_args(a))(argv)
     except SystemExit as e:
         err = capsys.readouterr().err
         assert e.code == 2, (argv, e.code, err)

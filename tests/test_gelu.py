@@ -95,6 +95,25 @@ def test_cpp_op_is_registered_with_fake_kernel_and_compiles():
     torch.testing.assert_close(compiled(x), F.gelu(x) * 2)
 
 
+def test_the_cpp_backward_is_a_cpp_node_and_runs_no_python():
+    """Autograd is registered in C++ (GeluFunction at the Autograd key): the backward node is a C++ one and calling
+    it runs no Python function (a Python backward makes autograd's CUDA device thread take the GIL)."""
+    x = torch.randn(4096, requires_grad=True)
+    y = gelu_cpp(x, "tanh")
+    assert y.grad_fn.name() == "torch::autograd::CppNode<gelu_ext::GeluFunction>", y.grad_fn.name()
+    called = []
+    sys.setprofile(lambda frame, event, arg: called.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        out = y.grad_fn(torch.ones_like(y))
+    finally:
+        sys.setprofile(None)
+    assert called == [], called
+    grad = out[0] if isinstance(out, tuple) else out
+    reference = x.detach().requires_grad_()
+    F.gelu(reference, approximate="tanh").sum().backward()
+    torch.testing.assert_close(grad, reference.grad)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", list(TOL))
 def test_the_cuda_kernels_formula_matches_f_gelu_on_cpu(approximate, dtype):

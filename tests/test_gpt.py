@@ -15,52 +15,19 @@ import pytest
 import torch
 
 import fabric_gpt as gpt
-from conftest import REPO, free_port, host_reads, run_in_process, run_nodes, run_script, shared_dir
+from conftest import (EXACT, REPO, SMALL, TWO_PROCESS, free_port, host_reads, losses, record, run_gpt, run_in_process,
+                      run_nodes, run_script, shared_dir)
 from core.gpt import gpt_model, strategies
 from core.plan import accounting, comm_counter, gpt_figures, perf_model
 from core.run import hardware, layout, measurements, warm_python
 
+
 # A learnable sequence (each token is the previous + 1), so a wrong update would show in the losses.
-SMALL = ["--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--num-samples", "48", "--accelerator", "cpu",
-         "--warmup-steps", "1"]
-# Plain SGD without clipping: AdamW's normalisation and clipping would hide a missing 1/accumulation or a
-# gradient summed where it should be averaged; with SGD they change the weights and the gradient norm.
-EXACT = [*SMALL, "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.5", "--export"]
-# Each strategy on 2 processes with the single process's global batch of 4 samples per step. Where the
-# data-parallel size is 2 the batch is 2 micro-batches of 1 per process: accumulation is proven at once.
-TWO_PROCESS = {
-    "ddp": ["--micro-batch-size", "1", "--grad-accum", "2"],
-    "deepspeed_stage_1": ["--micro-batch-size", "1", "--grad-accum", "2"],
-    "deepspeed_stage_2": ["--micro-batch-size", "1", "--grad-accum", "2"],
-    "deepspeed_stage_3": ["--micro-batch-size", "1", "--grad-accum", "2"],
-    "fsdp": ["--micro-batch-size", "1", "--grad-accum", "2"],
-    "tp": ["--micro-batch-size", "4"],
-    "fsdp_tp": ["--micro-batch-size", "4", "--tp-size", "2"],
-    "pp": ["--micro-batch-size", "2", "--grad-accum", "2"],
-    "pp_gpipe": ["--micro-batch-size", "2", "--grad-accum", "2", "--pp-schedule", "gpipe"],
-}
-
-
 def exported(run_dir: Path) -> dict:
     """The weights of a run's Hugging Face folder (--export), every shard."""
     from safetensors.torch import load_file
 
     return {k: v for f in sorted((run_dir / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
-def record(out: Path, name: str) -> dict:
-    return json.loads((out / name / "record.json").read_text())
-
-
-def losses(out: Path, name: str) -> list[float]:
-    return [loss for _, loss in record(out, name)["losses"]]
-
-
-def run_gpt(out: Path, name: str, *args, base=SMALL, check=True, timeout=600):
-    """Multi-process runs as a user starts them; single-process ones in the test process (no start-up)."""
-    if "--devices" in args:
-        return run_script("fabric_gpt.py", *base, "--out-dir", out, "--run-name", name, *args, check=check, timeout=timeout)
-    return run_in_process("fabric_gpt.py", *base, "--out-dir", out, "--run-name", name, *args, check=check)
 
 
 def test_1_6b_preset_parameter_count():
@@ -82,29 +49,10 @@ def test_the_built_model_is_initial_weights_by_name_with_its_head_tied():
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """One process, SGD, the reference every strategy is compared with; also proves it learns."""
-    make = lambda out: run_gpt(out, "single", "--micro-batch-size", "4", base=EXACT)
-    return shared_dir(tmp_path_factory, "gpt-single", make), "single"
-
-
-@pytest.fixture(scope="module")
 def single_adamw(tmp_path_factory):
     """One process with AdamW and clipping, the reference of the offload runs (DeepSpeed's CPU Adam)."""
     make = lambda out: run_gpt(out, "one", "--micro-batch-size", "4", "--lr", "3e-3")  # as OFFLOAD
     return shared_dir(tmp_path_factory, "gpt-single-adamw", make), "one"
-
-
-@pytest.fixture(scope="module")
-def two_process(tmp_path_factory):
-    """Runs on 2 processes by strategy, made once and shared by the parity and resume tests."""
-    def get(name):
-        def make(out):
-            proc = run_gpt(out, name, "--strategy", name.removesuffix("_gpipe"), "--devices", "2", *TWO_PROCESS[name],
-                           "--count-comms", "--checkpoint-every", "2", "--keep-last", "6", base=EXACT)  # resumed mid-run
-            (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
-        return shared_dir(tmp_path_factory, f"gpt-two-{name}", make), name
-    return get
 
 
 def test_single_process_learns(single):

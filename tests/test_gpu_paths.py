@@ -278,3 +278,23 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
     with extension_compiler.precompiled_torch_header("async_io"):
         assert os.environ["FABRIC_LAB_PRECOMPILE"] == "async_io"
     assert "FABRIC_LAB_PRECOMPILE" not in os.environ and not (build / "precompiled").exists()
+
+
+def test_the_step_profile_splits_a_step_into_kinds_that_add_up(tmp_path):
+    """make gpu-check's first row profiles the 1.6B step on the GPU (lab/step_profile.py); on this CPU the same code
+    splits the tiny model's step: every kind a share, matmuls the largest part of the busy time, the shares and the
+    idle time adding up to the steps' wall time."""
+    from lab import step_profile
+
+    assert [step_profile.kind_of(n) for n in ("sm90_xmma_gemm_bf16bf16", "aten::addmm", "flash_fwd_kernel",
+                                              "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                              "multi_tensor_apply_kernel", "aten::_fused_adamw_",
+                                              "aten::nll_loss_forward", "vectorized_elementwise_kernel")] == \
+        ["matmul", "matmul", "attention", "attention", "optimizer", "optimizer", "loss", "other"]
+    result = run_in_process("lab.step_profile", "--model", "tiny", "--precision", "32-true", "--accelerator", "cpu",
+                            "--out", tmp_path)
+    r = json.loads((tmp_path / "profile.json").read_text())
+    assert set(r["shares"]) == {"attention", "matmul", "loss", "optimizer", "other", "idle"}
+    assert sum(r["shares"].values()) == pytest.approx(1, abs=0.02) and r["seconds"]["idle"] >= 0
+    assert r["shares"]["matmul"] > 0 and r["shares"]["optimizer"] > 0 and r["micro_batch"] == 4
+    assert "| matmul |" in (tmp_path / "profile.md").read_text() and "| matmul |" in result.stdout

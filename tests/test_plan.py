@@ -217,3 +217,17 @@ def test_megatron_zero3_row_as_docs_plan_reads_it(nodes, micro, published):
         assert with_recompute == pytest.approx(published, rel=0.08)
     else:
         assert with_recompute < 0.85 * published
+
+
+@pytest.mark.parametrize("cluster", ["h100-sxm", "h200-sxm", "a100-sxm-80g"])
+def test_the_micro_batch_a_gpu_run_picks_is_the_largest_its_memory_plan_fits(cluster):
+    """--micro-batch-size 0 (the default): on a GPU, or a plan for one, the largest power of two whose memory plan
+    fits the device with the plan's 10% kept; the next would not. On a CPU 4, and a given one is kept."""
+    cfg = gpt.resolve(gpt.Config(model="1.6b", precision="bf16-mixed", cluster=cluster))
+    memory, n = perf_model.CLUSTERS[cluster].memory_bytes, gpt.count_parameters(cfg)
+    planned = lambda m: accounting.memory_plan(dataclasses.replace(cfg, micro_batch_size=m, accelerator="cuda"), *n)  # noqa: E731
+    assert planned(cfg.micro_batch_size)["total"] < 0.9 * memory <= planned(2 * cfg.micro_batch_size)["total"]
+    assert cfg.micro_batch_size == {"h100-sxm": 8, "h200-sxm": 16, "a100-sxm-80g": 8}[cluster]
+    assert gpt.resolve(gpt.Config(model="1.6b", accelerator="cpu")).micro_batch_size == 4
+    assert gpt.resolve(gpt.Config(model="1.6b", cluster=cluster, micro_batch_size=2)).micro_batch_size == 2
+    assert cfg.log_every == 1 and gpt.resolve(gpt.Config(accelerator="cuda")).log_every == 10
