@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from core.run import flags
-from core.run import folder_lock
+from core.run import flags, folder_lock
 from core.run.checkpoints import RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files, read_record
 from core.run.files import DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.flags import ConfigError
