@@ -11,11 +11,11 @@ checkpoint, a pipeline's last stage), and each writer's own cost per tensor. Mea
 strategy and on `small` under ZeRO-Infinity (tests/test_faults.py compares them with real checkpoints).
 """
 
-import shutil
 from pathlib import Path
 
 from core.plan.accounting import weight_bytes
 from core.run.checkpoints import room_needed
+from core.run.files import free_bytes, nearest_existing
 from core.run.flags import ConfigError
 from core.run.ranks import first_process
 
@@ -67,21 +67,6 @@ def export_bytes(cfg, P: int, dtype_bytes: int) -> float:
     return dtype_bytes * P + 64 * 2**10
 
 
-def free_bytes(folder) -> int:
-    """Free space of the file system that holds `folder` (or would: its nearest existing parent)."""
-    path = Path(folder).absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def device_of(folder) -> int:
-    path = Path(folder).absolute()
-    while not path.exists():
-        path = path.parent
-    return path.stat().st_dev
-
-
 def disk_plan(cfg, P: int, export_dtype_bytes: int = 0) -> dict:
     """What the run writes, where, and what each file system holds free: bytes of one checkpoint, of the checkpoints
     kept (one more while a save completes, before the oldest goes), of the NVMe folder and of the export."""
@@ -95,7 +80,7 @@ def disk_plan(cfg, P: int, export_dtype_bytes: int = 0) -> dict:
         needs[cfg.nvme_path] = plan["nvme"]
     by_device: dict = {}
     for folder, need in needs.items():
-        dev = device_of(folder)
+        dev = nearest_existing(folder).stat().st_dev  # one entry per file system
         by_device.setdefault(dev, {"folders": [], "first": 0.0, "free": free_bytes(folder)})
         by_device[dev]["folders"].append(folder)
         by_device[dev]["first"] += need

@@ -22,13 +22,13 @@ from core.run.files import PARTIAL, DiskFull, disk_full, free_bytes, why_full, w
 from core.run.ranks import any_rank
 
 RECORD = "record.json"
+STEP_DIR = re.compile(r"step-(\d{8})$")
 MARGIN = 256 * 2**10  # bytes kept free beyond a planned checkpoint: a file system's pages and directory entries
 
 
 def room_needed(planned_bytes: float) -> float:
     """The free bytes a planned checkpoint is written into: 10% and MARGIN beyond the plan (within 3% of real ones)."""
     return 1.1 * planned_bytes + MARGIN
-STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
 class ResumeError(RuntimeError):

@@ -76,12 +76,17 @@ def _read_with_progress(response, filename: str) -> bytes:
     return b"".join(chunks)
 
 
-def free_bytes(folder) -> int:
-    """Free space of the file system that holds `folder` (or would: its nearest existing parent)."""
+def nearest_existing(folder) -> Path:
+    """`folder`, or its nearest parent that exists: where it would be made, on the file system it would use."""
     path = Path(folder).absolute()
     while not path.exists():
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def free_bytes(folder) -> int:
+    """Free space of the file system that holds `folder` (or would)."""
+    return shutil.disk_usage(nearest_existing(folder)).free
 
 
 def is_disk_full(e: BaseException, folder) -> bool:
