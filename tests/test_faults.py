@@ -54,7 +54,9 @@ def test_a_full_disk_at_a_checkpoint_is_one_message_and_the_run_resumes_to_its_e
     args = [*EXACT, *flags, "--checkpoint-every", "2", "--run-name", "cut"]
     planned = planned_checkpoint(args)
     with small_disk(tmp_path / "disk", room_needed(planned) + disk.RUN_FILES + 0.3 * planned + 2**16) as mount:
-        message = one_error(run(*args, "--out-dir", mount, check=False, timeout=300))
+        proc = run(*args, "--out-dir", mount, check=False, timeout=300)
+        message, said = one_error(proc), proc.stdout + proc.stderr
+        assert said.count("warning: ") == 1 and "holds 1 checkpoint(s)" in said and "only the first fits" in said, said
         folder = mount / "cut" / "checkpoints"
         assert message.startswith(f"error: no space left to write the checkpoint of step 4 into {folder}: it needs about")
         assert "MiB free" in message and f"{folder / 'step-00000002'}, is intact" in message, message

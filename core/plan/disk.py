@@ -114,8 +114,10 @@ def check_disk(cfg, plan: dict) -> None:
                               "--out-dir (and --nvme-path) on a disk with more room")
     run_fs = plan["file_systems"][0]
     others = run_fs["first"] - room_needed(plan["checkpoint"])
-    kept = int((run_fs["free"] - others - room_needed(0)) // (1.1 * plan["checkpoint"])) - 1 if plan["checkpoint"] else cfg.keep_last
-    if kept < cfg.keep_last and first_process():
-        print(f"warning: {run_fs['folders'][0]}'s disk holds {kept + 1} checkpoint(s) of {mib(plan['checkpoint'])} "
+    fit = int((run_fs["free"] - others - room_needed(0)) // (1.1 * plan["checkpoint"])) if plan["checkpoint"] else 99
+    if fit - 1 < cfg.keep_last and first_process():  # a save writes the new checkpoint before the oldest goes
+        advice = (f"--keep-last {fit - 1} fits" if fit > 1 else
+                  f"only the first fits: free {mib(room_needed(plan['checkpoint']))} more or give another --out-dir")
+        print(f"warning: {run_fs['folders'][0]}'s disk holds {fit} checkpoint(s) of {mib(plan['checkpoint'])} "
               f"({mib(run_fs['free'])} free), not the {cfg.keep_last + 1} of --keep-last {cfg.keep_last} while a save "
-              f"completes: a later save will stop the run; --keep-last {max(kept, 1)} fits", flush=True)
+              f"completes: a later save will stop the run; {advice}", flush=True)
