@@ -97,6 +97,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                          check=flags.Folder(optional=True), runtime=True)
     grad_checkpointing: bool = opt(False, "recompute activations in backward: less memory, ~1/3 more compute",
                                    runtime=True)
+    chunked_loss: bool = opt(False, "the head and its loss a chunk of tokens at a time: no float32 logits of every "
+                             "token (core/gpt/chunked_loss.py)", since=False)
     compile: bool = opt(False, "torch.compile the model", runtime=True)
     plan: bool = opt(False, "print the memory and time plan and exit without training", group="planning", runtime=True)
     cluster: str = opt("", "plan for a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie, h100-sxm-eth or cpu (here); "
@@ -457,6 +459,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--resume with --nvme-path: DeepSpeed does not bring AdamW's moments and step count back from "
                           "an NVMe-offload checkpoint, so the resumed run would not be the uninterrupted one; start the "
                           "run again, or offload to CPU memory (no --nvme-path), whose runs resume exactly")
+    if cfg.chunked_loss and (lay.zero_stage == 3 or lay.tensor_parallel or lay.pipeline):
+        raise ConfigError(f"--chunked-loss reads the head's weight in the model's own forward, which --strategy "
+                          f"{cfg.strategy} gathers per module or splits; use it with auto, ddp, fsdp or ZeRO-1/2")
     if cfg.optimizer == "sgd" and lay.offload:
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan or cfg.search:

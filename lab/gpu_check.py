@@ -249,6 +249,9 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
               gelu_matches, ("gelu",)),
         Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, bf16-mixed", [("gpt-1.6b", gpt_1_6b(memory_gib))],
               lambda out: big_model_verdict(record(out, "gpt-1.6b"))),
+        Check("gpt-1.6b-chunked", "GPT-2 1.6B, chunked loss", [("gpt-1.6b-chunked", [*gpt_1_6b(memory_gib),
+                                                                                    "--chunked-loss"])],
+              lambda out: big_model_verdict(record(out, "gpt-1.6b-chunked"))),
         *(Check(f"lenet-{p}", f"LeNet-5 {p}", [(f"lenet-{p}", lenet("--precision", p))], lenet_trained, (f"lenet-{p}",))
           for p in ("32-true", "16-mixed", "bf16-mixed")),
         Check("lenet-dp", "LeNet-5 dp bf16-mixed, 2 GPUs", [("lenet-dp-bf16", lenet(

@@ -1100,3 +1100,48 @@ def test_float32_attention_trains_as_bf16_attention_and_exports_plain_sdpa(tmp_p
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens).logits, loaded(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_the_chunked_loss_is_transformers_loss(precision):
+    """--chunked-loss's head and cross-entropy, a chunk of tokens at a time with both gradients taken in one pass,
+    against transformers' own (the head, then ForCausalLMLoss on the whole logits): equal in float32, within bf16's
+    rounding under autocast and in bf16 (the gradients accumulated in float32 there, the reference in bf16)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from core.gpt.chunked_loss import causal_lm_loss
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    hidden = torch.randn(3, 17, 32, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(101, 32) * 0.1).to(dtype).requires_grad_()
+    labels = torch.randint(0, 101, (3, 17))
+    labels[0, 3] = -100  # ignored, as transformers ignores it
+    grads = []
+    for loss_of in (lambda: ForCausalLMLoss(hidden @ weight.t(), labels, 101), lambda: causal_lm_loss(hidden, weight, labels, chunk=7)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = loss_of()
+        loss.backward()
+        grads.append((loss.detach(), hidden.grad, weight.grad))
+        hidden.grad = weight.grad = None
+    tol = {"32-true": 1e-6, "bf16-mixed": 1e-2, "bf16-true": 1e-2}[precision]
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        assert float(causal_lm_loss(hidden, weight, labels, chunk=5)) == pytest.approx(float(grads[1][0]), rel=1e-5)
+
+
+def test_a_run_with_the_chunked_loss_trains_as_the_whole_head_does(single, tmp_path):
+    """A run with --chunked-loss (no logits of every token) gives the single process's losses step by step; ZeRO-3,
+    tp and pp, whose head is gathered per module or split, are refused with the fix."""
+    run_gpt(tmp_path, "chunked", "--micro-batch-size", "4", "--chunked-loss", base=EXACT)
+    assert losses(tmp_path, "chunked") == pytest.approx(losses(*single), rel=1e-5)
+    with pytest.raises(gpt.ConfigError, match="--chunked-loss reads the head's weight"):
+        gpt.validate(gpt.resolve(gpt.Config(strategy="deepspeed_stage_3", devices=2, chunked_loss=True)))
+
+
+@pytest.mark.slow
+def test_fsdp_with_the_chunked_loss_equals_one_process(single, tmp_path):
+    run_gpt(tmp_path, "chunked", "--strategy", "fsdp", "--devices", "2", *TWO_PROCESS["fsdp"], "--chunked-loss",
+            base=EXACT)
+    assert losses(tmp_path, "chunked") == pytest.approx(losses(*single), rel=1e-4)

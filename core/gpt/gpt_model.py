@@ -3,6 +3,7 @@
 in float32 on a CPU where that measures faster). What nanoGPT keeps in model.py; the training is fabric_gpt.py's.
 """
 
+import functools
 import math
 import zlib
 from contextlib import nullcontext
@@ -90,8 +91,9 @@ def build_model(cfg, fabric=None):
     partitioned = fabric is not None and cfg.layout.zero_stage == 3
     # transformers' own initialisation would draw every weight that fill_initial_weights then draws again (0.75 s
     # of CPU for GPT-2 small's width with 4 blocks, the embedding most of it)
+    model_class = chunked_head_model() if getattr(cfg, "chunked_loss", False) else GPT2LMHeadModel
     with fabric.init_module(empty_init=True) if partitioned else nullcontext(), no_init_weights():
-        model = GPT2LMHeadModel(gpt2_config(cfg))
+        model = model_class(gpt2_config(cfg))
         model.tie_weights()  # lm_head is the token embedding: the skipped initialisation ties them
     model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, named: no warning per rank
     fill_initial_weights(model, cfg, partitioned)
@@ -102,6 +104,26 @@ def build_model(cfg, fabric=None):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+@functools.cache
+def chunked_head_model():
+    """GPT2LMHeadModel whose loss, given labels, takes the head a chunk of tokens at a time (core/gpt/chunked_loss.py)
+    and returns no logits; the same parameters and state dict. Its forward reads the head's weight itself: a
+    strategy that gathers parameters per module (ZeRO-3) or splits the head (tp, pp) is refused with it."""
+    from transformers import GPT2LMHeadModel
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    from core.gpt.chunked_loss import causal_lm_loss
+
+    class GPT2ChunkedLoss(GPT2LMHeadModel):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            if labels is None:
+                return super().forward(input_ids=input_ids, **kwargs)
+            hidden = self.transformer(input_ids, **kwargs).last_hidden_state
+            return CausalLMOutputWithCrossAttentions(loss=causal_lm_loss(hidden, self.lm_head.weight, labels))
+
+    return GPT2ChunkedLoss
 
 
 def initial_weights(name: str, shape: torch.Size, cfg) -> torch.Tensor:
