@@ -280,3 +280,35 @@ def test_a_launchers_stop_to_the_rank_never_ends_scontrol_mid_requeue(tmp_path):
     output = result + proc.communicate(timeout=60)[0]
     assert proc.returncode == 0 and output.startswith("0 []"), output[-2000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n" * 100
+
+
+PRINTS_WHILE_SIGNALLED = """
+import os, sys, time
+from core.run import stops
+os.environ.pop("SLURM_JOB_ID", None)
+stop = stops.StopRequest().listen("USR1")  # outside SLURM each SIGUSR1 is a warning line from the handler
+print("listening", flush=True)
+end = time.time() + 3
+while time.time() < end:
+    print("step | loss 5.5608 | grad norm 1.484")
+"""
+
+
+def test_a_handlers_line_never_lands_inside_a_printed_line_under_pythonunbuffered():
+    """SLURM job scripts and launchers set PYTHONUNBUFFERED, where print writes a line's text and its newline
+    separately: 100 signals during a stream of prints must each be one whole line, and so must every print."""
+    import signal
+    import subprocess
+
+    from conftest import REPO
+
+    proc = subprocess.Popen([warm_python.executable(), "-u", "-c", PRINTS_WHILE_SIGNALLED], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.readline() == "listening\n"
+    for _ in range(100):
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.01)
+    lines = proc.communicate(timeout=60)[0].splitlines()
+    warnings = [line for line in lines if line.startswith("warning: SIGUSR1 ignored")]
+    mixed = [line for line in lines if line != "step | loss 5.5608 | grad norm 1.484" and line not in warnings]
+    assert proc.returncode == 0 and len(warnings) == 100 and not mixed, (len(warnings), mixed[:3])

@@ -41,6 +41,7 @@ class StopRequest:
     def listen(self, requeue_signal: str = "USR1") -> "StopRequest":
         self.requeue_signal = None if requeue_signal == "none" else getattr(signal, "SIG" + requeue_signal)
         self.pid = os.getpid()
+        whole_lines()
         for sig in (signal.SIGINT, signal.SIGTERM, self.requeue_signal):
             if sig is not None and sig not in self.previous:
                 self.previous[sig] = signal.signal(sig, self._handle)
@@ -89,6 +90,18 @@ class StopRequest:
         if stopping and self.signal_name is None:
             self.signal_name = "SIGINT"  # another rank was signalled; it is the same stop for this one
         return (stopping, *others)
+
+
+def whole_lines() -> None:
+    """Under `python -u` or PYTHONUNBUFFERED (SLURM job scripts and the tests set it) print writes its text and its
+    newline as two writes, and a handler's line (say) between them lands mid-line, in the line before. Line-buffered,
+    a stream writes each line whole and still at once."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.write_through:
+            try:
+                stream.reconfigure(write_through=False, line_buffering=True)
+            except (OSError, ValueError):  # closed, or a stream that cannot change now
+                pass
 
 
 def say(line: str) -> None:
