@@ -244,7 +244,7 @@ def device_memory_bytes() -> float:
 
 def predict(rows: list, accelerator: str) -> None:
     """Each row's predicted step time beside the measured one: perf_model for the run's own settings; on CPU from
-    cpu_probe.py's measurements of this machine (each strategy's fixed cost is a short run of its own, once per
+    device_probe.py's measurements of this machine (each strategy's fixed cost is a short run of its own, once per
     machine and settings, cached), on a GPU from its cluster preset."""
     import fabric_gpt
     from core.plan import perf_model
@@ -259,7 +259,7 @@ def predict(rows: list, accelerator: str) -> None:
         cfg = fabric_gpt.resolve(fabric_gpt.Config(**{k: v for k, v in rec["config"].items() if k in fields}))
         if accelerator == "cpu":
             if not clusters:
-                print(f"predicting each row from this machine's measurements (cpu_probe.py; the first time about 15 s "
+                print(f"predicting each row from this machine's measurements (device_probe.py; the first time about 15 s "
                       f"a strategy, then cached in {measurements.cache_file()})", flush=True)
             if cfg.precision not in clusters:
                 clusters[cfg.precision] = perf_model.cluster_named("cpu", cfg.precision, fabric_gpt.__file__)
@@ -305,7 +305,7 @@ def write_table(out: Path, args, rows: list) -> None:
     errors = [r["prediction_error"] for r in rows if r["record"] and r.get("predicted_step_s")]
     if errors:
         ratios = [max(1 + e, 1 / (1 + e)) for e in errors]
-        how = ("cpu_probe.py's measurements of this machine: each strategy's step on a minimal model, the block and "
+        how = ("device_probe.py's measurements of this machine: each strategy's step on a minimal model, the block and "
                "head at the run's shape, memory and gloo bandwidth" if on_cpu else "the GPU's cluster preset")
         lines += ["", f"Predicted (perf_model.py from {how}) against measured step time: median absolute error "
                       f"{100 * statistics.median(abs(e) for e in errors):.0f}%, worst {max(ratios):.2f}x off."]

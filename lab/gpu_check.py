@@ -150,6 +150,19 @@ def record(out: Path, run: str) -> dict:
     return json.loads((out / run / RECORD).read_text())
 
 
+def planned_from_this_gpu(out: Path) -> tuple[bool, str]:
+    """--plan on this GPU (its step from measurements of it, device_probe.py) within 25% of the 1.6B run's step at
+    the same, automatic, micro-batch."""
+    t = json.loads((out / "gpt-1.6b-plan.json").read_text())["time"]
+    run = record(out, "gpt-1.6b")
+    ratio, m = t["step_time_s"] / run["step_time_s"], t["measured_step"]
+    parts = (f"fixed {1e3 * m['fixed_s']:.0f} + work {1e3 * m['work_s']:.0f} + optimizer {1e3 * m['optimizer_s']:.0f} "
+             "ms" if m else "the preset's peak x efficiency: nothing measured")
+    return (m is not None and abs(ratio - 1) <= 0.25,
+            f"planned {1e3 * t['step_time_s']:.0f} ms ({parts}) vs run {1e3 * run['step_time_s']:.0f} ms at micro-batch "
+            f"{run['config']['micro_batch_size']}: {ratio:.2f}x")
+
+
 def losses(out: Path, run: str) -> list:
     return [loss for _, loss in record(out, run)["losses"]]
 
@@ -215,7 +228,8 @@ def big_model_verdict(r: dict) -> tuple[bool, str]:
     setup = r.get("memory_setup", {}).get("max_allocated_gb")
     predicted = r.get("predicted")
     step = (f"step {1e3 * r['step_time_s']:.0f} ms vs predicted {1e3 * predicted['step_time_s']:.0f} ms "
-            f"({predicted['cluster']}, efficiency {predicted['efficiency']}), " if predicted else "")
+            f"({predicted['cluster']}, from {predicted.get('source') or 'efficiency ' + str(predicted['efficiency'])}), "
+            if predicted else "")
     return (not math.isnan(r["final_loss"]) and mem <= 1.25 * r["planned_gb"], step +
             f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / "
             f"{r['tflops_per_device_8n']:.1f} (8N), {mfu}, training peak {mem:.1f} GiB vs plan "
@@ -252,6 +266,8 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
         Check("gpt-1.6b-chunked", "GPT-2 1.6B, chunked loss", [("gpt-1.6b-chunked", [*gpt_1_6b(memory_gib),
                                                                                     "--chunked-loss"])],
               lambda out: big_model_verdict(record(out, "gpt-1.6b-chunked"))),
+        Check("gpt-1.6b-plan", "GPT-2 1.6B planned from this GPU", [("gpt-1.6b-plan", [
+            *gpt_1_6b(memory_gib), "--plan", "--plan-json", "{out}/gpt-1.6b-plan.json"])], planned_from_this_gpu),
         *(Check(f"lenet-{p}", f"LeNet-5 {p}", [(f"lenet-{p}", lenet("--precision", p))], lenet_trained, (f"lenet-{p}",))
           for p in ("32-true", "16-mixed", "bf16-mixed")),
         Check("lenet-dp", "LeNet-5 dp bf16-mixed, 2 GPUs", [("lenet-dp-bf16", lenet(

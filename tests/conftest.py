@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from core.run import warm_python  # noqa: E402 (the repository's, on the path above)
 
-# cpu_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
+# device_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
 # pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")

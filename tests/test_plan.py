@@ -4,12 +4,13 @@ the counted traffic of real 2-process runs."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 import fabric_gpt as gpt
 from conftest import run_in_process
-from core.plan import accounting, cpu_probe, gpt_figures, perf_model
+from core.plan import accounting, device_probe, gpt_figures, perf_model
 from core.run import layout, measurements
 
 ONE_GB = perf_model.GB
@@ -129,7 +130,7 @@ def test_a_gpu_run_records_its_predicted_step_beside_the_measured():
     assert gpt_figures.predicted_step(cfg, {"device": "cuda", "device_name": "Tesla T4"}, n) is None
 
 
-# ----------------------------------------------------------------------------- this CPU, measured (cpu_probe.py, measurements.py)
+# ----------------------------------------------------------------------------- this CPU, measured (device_probe.py, measurements.py)
 def test_cpu_measurements_are_cached_per_machine_and_instruction_set(tmp_path, monkeypatch):
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
@@ -164,13 +165,45 @@ def test_the_minimal_job_keeps_the_runs_strategy_and_is_accepted(strategy):
     devices = 1 if strategy == "auto" else 4 if strategy == "fsdp_tp" else 2
     cfg = gpt.resolve(gpt.Config(strategy=strategy, devices=devices, n_layer=3, grad_accum=2, optimizer="sgd",
                                  tp_size=2 if strategy == "fsdp_tp" else 0, accelerator="cpu"))
-    argv = cpu_probe.minimal_flags(cfg, cpu_probe.minimal_heads(cfg))
+    argv = device_probe.minimal_flags(cfg, device_probe.minimal_heads(cfg))
     minimal = gpt.parse_args(argv)
     for field in ("strategy", "devices", "n_layer", "grad_accum", "optimizer", "precision", "tp_size"):
         assert getattr(minimal, field) == getattr(cfg, field), field
     assert (minimal.n_embd, minimal.seq_len, minimal.vocab_size) == (8 * minimal.n_head, 8, 16)
     layout.check_sizes(minimal)
     assert minimal.num_samples % gpt.samples_per_step(minimal) == 0
+
+
+@pytest.mark.slow  # the minimal model's step, run in a process of its own
+def test_a_node_present_is_planned_from_its_device_and_a_node_named_says_what_it_assumes(capsys):
+    """The GPU side of the time model as a GPU present here computes it (issue 69), with this CPU standing in for the
+    GPU this machine lacks (on a GPU, make gpu-check's gpt-1.6b-plan row holds it against a run): the step is the
+    device's measured fixed cost, work of the shape and optimizer sweep, plus the preset's links where they are not
+    hidden, not the preset's peak x efficiency; the printed plan says what it measured and what it assumed. A node
+    named but not present is peak x efficiency, and says that nothing of it was measured."""
+    preset = perf_model.CLUSTERS["h100-sxm"]
+    here = dataclasses.replace(preset, probe="measure", measured_on="cpu", step_script=str(Path(gpt.__file__)))
+    for strategy, devices in (("auto", 1), ("ddp", 2)):
+        cfg = gpt.resolve(gpt.Config(model="tiny", strategy=strategy, devices=devices, accelerator="cpu",
+                                     micro_batch_size=4))
+        n = gpt.count_parameters(cfg)[0]
+        t, assumed = perf_model.time_plan(cfg, here, n), perf_model.time_plan(cfg, preset, n)
+        m = t["measured_step"]
+        assert m["device"] == "cpu" and m["fixed_s"] > 0 and m["work_s"] > 0 and m["optimizer_s"] > 0, m
+        assert m["link_s"] == t["comm_exposed_s"] and (m["link_s"] == 0) == (devices == 1)  # the preset's overlap
+        assert t["step_time_s"] == pytest.approx(m["fixed_s"] + m["work_s"] + m["optimizer_s"] + m["link_s"])
+        assert assumed["measured_step"] is None
+        assert assumed["step_time_s"] == pytest.approx(assumed["compute_s"] + assumed["comm_exposed_s"])
+        assert t["step_time_s"] > 10 * assumed["step_time_s"]  # a tiny model's step is its fixed cost, not its FLOPs
+    capsys.readouterr()
+    perf_model.print_time_plan(cfg, t)
+    measured = capsys.readouterr().out
+    assert "from measurements on this machine's cpu" in measured and "fixed (minimal model)" in measured, measured
+    assert ("measured here: the fixed cost, the block and head at this shape, memory bandwidth; assumed (the "
+            "preset's): the peak, the links between GPUs") in measured, measured
+    perf_model.print_time_plan(cfg, assumed)
+    named = capsys.readouterr().out
+    assert "measured: nothing (this node is not here" in named and "every link's bandwidth" in named, named
 
 
 @pytest.mark.slow  # a run in a process of its own
@@ -183,22 +216,22 @@ def test_a_cpu_plan_is_its_measured_parts_and_speaks_of_this_cpu(tmp_path):
     proc = run_in_process("fabric_gpt.py", *args, "--plan-json", path)
     assert "time plan on this CPU" in proc.stdout and "A100" not in proc.stdout, proc.stdout
     plan = json.loads(path.read_text())["time"]
-    parts = plan["cpu_step"]
+    parts = plan["measured_step"]
     assert parts["fixed_s"] > 0 and parts["work_s"] > 0 and parts["optimizer_s"] > 0 and parts["link_s"] > 0
     assert plan["step_time_s"] == pytest.approx(sum(parts[k] for k in ("fixed_s", "work_s", "optimizer_s", "link_s",
-                                                                        "nvme_s")))
+                                                                        "offload_s")))
     assert 0 < plan["mfu"] <= 1
     cfg = gpt.resolve(gpt.Config(strategy="ddp", devices=2, accelerator="cpu"))
     cluster = perf_model.cluster_named("cpu", cfg.precision)  # cached now: nothing runs again
     n = gpt.count_parameters(cfg)[0]
-    again = perf_model.time_plan(cfg, cluster, n)["cpu_step"]
+    again = perf_model.time_plan(cfg, cluster, n)["measured_step"]
     assert again["fixed_s"] == parts["fixed_s"]
-    bigger = perf_model.time_plan(dataclasses.replace(cfg, micro_batch_size=16), cluster, n)["cpu_step"]
+    bigger = perf_model.time_plan(dataclasses.replace(cfg, micro_batch_size=16), cluster, n)["measured_step"]
     assert bigger["fixed_s"] == parts["fixed_s"] and bigger["work_s"] > again["work_s"]
     # --search and a run's own estimate measure nothing: what is not cached falls back to the lower bound
     entries = len(json.loads(measurements.cache_file().read_text()))
     unplanned = dataclasses.replace(cfg, n_layer=5)
-    assert perf_model.time_plan(unplanned, dataclasses.replace(cluster, probe="cached"), n)["cpu_step"] is None
+    assert perf_model.time_plan(unplanned, dataclasses.replace(cluster, probe="cached"), n)["measured_step"] is None
     perf_model.search(cfg, cluster)
     assert len(json.loads(measurements.cache_file().read_text())) == entries
 

@@ -58,7 +58,7 @@ def test_report_from_real_runs(runs, tmp_path):
     # like with like: each planned figure beside the measured one of the same quantity; the step predicted from
     # this machine's measurements
     assert "model states held / planned MiB | host RSS / host plan GiB per process" in text
-    assert "from cpu_probe.py's measurements of this machine" in text and "median absolute error" in text
+    assert "from device_probe.py's measurements of this machine" in text and "median absolute error" in text
     refs = figures(text)
     assert {"lenet_curves.png", "lenet_per_class.png", "lenet_confusion.png", "gpt_strategies.png"} <= set(refs)
     for name in refs:

@@ -30,7 +30,7 @@ def test_a_command_sees_what_a_real_interpreter_gives_it(tmp_path):
 
 
 def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():
-    """lab.bench run by a test, or any warm child, hands cpu_probe's fixed-cost jobs to the server it came from."""
+    """lab.bench run by a test, or any warm child, hands device_probe's fixed-cost jobs to the server it came from."""
     code = ("import sys; from core.run import warm_python; print(warm_python.executable() == sys.executable, "
             "warm_python._client, warm_python.at_hand() == sys.executable)")
     assert run("-c", code).stdout == "True None True\n"

@@ -115,13 +115,18 @@ def beside_the_plan(fabric, cfg, record: dict, timing: dict, n_params: int, held
 
 
 def predicted_step(cfg, record: dict, n_params: int) -> dict | None:
-    """On a GPU the performance model has a preset for: its step time for these settings, beside the measured."""
+    """On a GPU the performance model has a preset for: its step time for these settings, beside the measured; from
+    this GPU's measurements where a --plan on it took them (device_probe.py, cached), else the preset's peak x
+    efficiency ("source" says which)."""
     name = perf_model.cluster_of_gpu(record["device_name"]) if record["device"] == "cuda" else None
     if name is None:
         return None
-    t = perf_model.time_plan(cfg, perf_model.CLUSTERS[name], n_params)
+    here = torch.cuda.is_available()  # else a record read back where its GPU is not: the preset's figures
+    t = perf_model.time_plan(cfg, perf_model.measured_gpu_cluster(name, probe="cached") if here else
+                             perf_model.CLUSTERS[name], n_params)
     return {"cluster": name, "efficiency": t["efficiency"], "step_time_s": t["step_time_s"],
-            "tokens_per_s": t["tokens_per_s"], "mfu": t["mfu"]}
+            "tokens_per_s": t["tokens_per_s"], "mfu": t["mfu"],
+            "source": "measurements of this GPU" if t["measured_step"] else f"the preset's peak x efficiency {t['efficiency']}"}
 
 
 def comm_record(cfg, comms: dict | None) -> dict:
@@ -139,8 +144,9 @@ def comm_record(cfg, comms: dict | None) -> dict:
 def announce_duration(fabric, cfg, n_params: int, peak: tuple, steps: int) -> None:
     """A run that the performance model plans at over a minute says so before its first step, so that no one
     waits on a silent step. On a CPU the plan counts compute at the measured peak (communication would add)."""
-    if fabric.device.type == "cuda":
-        cluster = perf_model.CLUSTERS.get(perf_model.cluster_of_gpu(torch.cuda.get_device_name(fabric.device)) or "")
+    if fabric.device.type == "cuda":  # this GPU's measurements when a --plan on it made them (cached), else its preset
+        name = perf_model.cluster_of_gpu(torch.cuda.get_device_name(fabric.device))
+        cluster = perf_model.measured_gpu_cluster(name, str(fabric.device), probe="cached") if name else None
     else:  # this CPU's measurements when a --plan made them (cached), else compute alone: a lower bound
         cluster = perf_model.cpu_cluster(cfg.precision, peak[0], probe="cached") if peak[0] else None
     if cluster is None or steps <= 0:
@@ -148,7 +154,7 @@ def announce_duration(fabric, cfg, n_params: int, peak: tuple, steps: int) -> No
     plan = perf_model.time_plan(cfg, cluster, n_params)
     seconds = plan["step_time_s"] * steps
     if seconds > 60:
-        lower_bound = cluster.name == "cpu" and not plan["cpu_step"]
+        lower_bound = cluster.name == "cpu" and not plan["measured_step"]
         fabric.print(f"planned: about {duration(seconds)} for {steps} step{'s' * (steps > 1)} (perf_model.py on "
                      f"{cluster.device}{', at least' if lower_bound else ''}); Ctrl-C stops cleanly at the end of "
                      "a step with a checkpoint, and --resume auto continues", flush=True)
@@ -181,5 +187,6 @@ def print_summary(fabric, r: dict) -> None:
                  + (f"\n{'val loss first / last':<22}{r['val_losses'][0][1]:.4f} / {r['val_loss']:.4f} (step "
                     f"{r['val_losses'][-1][0]}; {r['text']['tokenizer']} tokenizer, {r['text']['tokenizer_vocab']} tokens)"
                     if r.get("val_losses") else "")
-                 + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} at "
-                    f"efficiency {r['predicted']['efficiency']} (perf_model.py)" if r.get("predicted") else ""))
+                 + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} from "
+                    f"{r['predicted'].get('source') or 'efficiency ' + str(r['predicted']['efficiency'])} (perf_model.py)"
+                    if r.get("predicted") else ""))

@@ -16,7 +16,7 @@ import torch
 
 from core.gpt import gpt_model
 from core.gpt.strategies import fsdp_gathers_bf16
-from core.plan import accounting, cpu_probe, disk
+from core.plan import accounting, device_probe, disk
 from core.run import measurements
 from core.run.files import write_atomic
 from core.run.flags import ConfigError
@@ -45,8 +45,9 @@ class Cluster:
     overlap: bool = True  # communication on its own engine (NCCL on a GPU); CPU cores do both in turn
     shared_cores: bool = False  # CPU processes share one machine's cores: peak_flops is the machine's, and a rank
     # that waits (a pipeline stage in its bubble) leaves its cores to the others
-    probe: str = ""  # CPU: "measure" or "cached", the step from cpu_probe's measurements (cpu_step)
-    step_script: str = ""  # CPU, probe "measure": the training script whose step on the minimal model is timed (the
+    probe: str = ""  # "measure" or "cached": the step from device_probe's measurements (measured_step), taken
+    measured_on: str = ""  # the device they are taken on: "cpu" (this machine's processes), "cuda:0" (its GPU)
+    step_script: str = ""  # probe "measure": the training script whose step on the minimal model is timed (the
     # caller's own: a script stands above the plan, which never names one)
     source: str = ""
 
@@ -100,21 +101,21 @@ def cluster_named(name: str, precision: str = "32-true", step_script: str = "") 
 
 
 def measured_cpu_cluster(precision: str, step_script: str = "") -> Cluster:
-    """This machine, measured (cpu_probe.py, cached): the matmul probe for the peak that MFU is against, the gloo
-    link, and the step itself from the strategy's fixed cost and the work of the run's shape (cpu_step)."""
+    """This machine, measured (device_probe.py, cached): the matmul probe for the peak that MFU is against, the gloo
+    link, and the step itself from the strategy's fixed cost and the work of the run's shape (measured_step)."""
     # a CPU plan's ranks share the machine's cores: one core's peak times the cores, whatever this process's own
     # threads. Measured on one thread, which another process's load slows by its share of a core; on every core
     # beside such a load OpenMP's threads wait on each other (42 GFLOP/s against 203 quiet: a plan's MFU of 144%)
     with measurements.threads(1):
         peak = accounting.measured_cpu_matmul_flops(precision) * (os.cpu_count() or 1)
-    return cpu_cluster(precision, peak, cpu_probe.gloo_link(), probe="measure", step_script=step_script)
+    return cpu_cluster(precision, peak, device_probe.gloo_link(), probe="measure", step_script=step_script)
 
 
 def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = None, probe: str = "",
                 step_script: str = "") -> Cluster:
     """This machine with a measured matmul peak and, when given, a measured (latency s, bandwidth B/s) link;
     without one, communication is planned as free (a lower bound of the step). probe "measure" or "cached": the
-    step from cpu_step (measured now when not cached, or only when cached); "": compute at CPU_EFFICIENCY of the
+    step from measured_step (measured now when not cached, or only when cached); "": compute at CPU_EFFICIENCY of the
     peak, a lower bound."""
     import psutil
 
@@ -125,7 +126,7 @@ def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = 
     return Cluster("cpu", "this CPU (measured)", {kind: peak}, psutil.virtual_memory().total, 64,
                    intra_bw=bandwidth, intra_latency=latency, inter_bw=bandwidth, inter_latency=latency,
                    pcie_bw=math.inf, nvme_bw=2 * GB, host_adam_params_per_s=2e8, efficiency=CPU_EFFICIENCY,
-                   overlap=False, shared_cores=True, probe=probe, step_script=step_script,
+                   overlap=False, shared_cores=True, probe=probe, measured_on="cpu", step_script=step_script,
                    source=f"measured: matmul {peak / 1e9:.1f} GFLOP/s ({kind}), {measured_link}")
 
 
@@ -134,21 +135,32 @@ def cpu_cluster(precision: str, peak: float, link: tuple[float, float] | None = 
 CPU_EFFICIENCY = 0.5
 
 
-def cpu_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool) -> dict | None:
-    """One optimizer step on this CPU from cpu_probe's measurements, or None when they are not cached and may not
-    be measured: the strategy's fixed cost (its step on the minimal model), plus the work that grows with the model
-    (block and head at the run's shape less the minimal one's, per micro-batch, split as the strategy splits the
-    layers), plus the optimizer's sweep over this rank's states at memory bandwidth, plus the bytes on the link."""
-    lay = cfg.layout
-    n, ds, heads = measurements.rank_threads(cfg.devices), lay.deepspeed, cpu_probe.minimal_heads(cfg)
-    minimal = replace(cfg, n_embd=cpu_probe.MINIMAL["n_embd_per_head"] * heads, n_head=heads,
-                      seq_len=cpu_probe.MINIMAL["seq_len"], vocab_size=cpu_probe.MINIMAL["vocab_size"])
-    fixed = cpu_probe.fixed_step(cfg, allow_measure, cluster.step_script)
-    big = fixed and cpu_probe.block_and_head(gpt_model.gpt2_config(cfg), cfg.micro_batch_size, cfg.precision, ds, n,
-                                             allow_measure)
-    small = big and cpu_probe.block_and_head(gpt_model.gpt2_config(minimal), cpu_probe.MINIMAL["micro_batch_size"],
-                                             cfg.precision, ds, n, allow_measure)
-    bandwidth = small and cpu_probe.memory_bandwidth(n, allow_measure)
+def measured_gpu_cluster(name: str, device: str = "cuda:0", probe: str = "measure", step_script: str = "") -> Cluster:
+    """The preset of the GPU present here, its step measured on it (device_probe.py, cached per GPU model): the
+    links between GPUs, PCIe, NVMe and the peak that MFU is against stay the preset's."""
+    return replace(CLUSTERS[name], probe=probe, measured_on=device, step_script=step_script,
+                   source=f"measured on this {torch.cuda.get_device_name(torch.device(device))}: the step's fixed cost, "
+                          f"the block and head at the run's shape, memory bandwidth; the preset's: " + CLUSTERS[name].source)
+
+
+def measured_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool, exposed_comm_s: float = 0.0,
+                  offload_s: float = 0.0) -> dict | None:
+    """One optimizer step from device_probe's measurements of the device the run would use (this CPU's processes,
+    or this GPU), or None when they are not cached and may not be measured: the strategy's fixed cost (its step on the
+    minimal model), plus the work that grows with the model (block and head at the run's shape less the minimal
+    one's, per micro-batch, split as the strategy splits the layers), plus the optimizer's sweep over this rank's
+    states at memory bandwidth, plus the transfers: on a CPU every byte on the measured gloo link, on GPUs the
+    preset's links as time_plan overlaps them (`exposed_comm_s`), and offload's (`offload_s`)."""
+    lay, device = cfg.layout, cluster.measured_on or "cpu"
+    n, ds, heads = measurements.rank_threads(cfg.devices), lay.deepspeed, device_probe.minimal_heads(cfg)
+    minimal = replace(cfg, n_embd=device_probe.MINIMAL["n_embd_per_head"] * heads, n_head=heads,
+                      seq_len=device_probe.MINIMAL["seq_len"], vocab_size=device_probe.MINIMAL["vocab_size"])
+    fixed = device_probe.fixed_step(cfg, allow_measure, cluster.step_script, device)
+    big = fixed and device_probe.block_and_head(gpt_model.gpt2_config(cfg), cfg.micro_batch_size, cfg.precision, ds, n,
+                                                allow_measure, device)
+    small = big and device_probe.block_and_head(gpt_model.gpt2_config(minimal), device_probe.MINIMAL["micro_batch_size"],
+                                                cfg.precision, ds, n, allow_measure, device)
+    bandwidth = small and device_probe.memory_bandwidth(n, allow_measure, device)
     if not bandwidth:
         return None
     block = max(big["block_s"] - small["block_s"], 0.0) * (4 / 3 if cfg.grad_checkpointing else 1)  # + a forward
@@ -162,11 +174,13 @@ def cpu_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool) -> dict 
         work = m * (L * block / t + head)
     states = n_params if lay.replicated else n_params / lay.world
     optimizer = states * (28 if cfg.optimizer == "adamw" else 12) / bandwidth  # read p g m v, write p m v
-    comm = sum(algorithm(r)[0] * r["bytes"] * r["count"] for r in comm_table(cfg)) / cluster.intra_bw  # the calls'
-    # latency is in the fixed cost
-    nvme = offload_time(cfg, cluster, n_params)[1].get("nvme_s", 0.0)
-    return {"fixed_s": fixed, "work_s": work, "optimizer_s": optimizer, "link_s": comm, "nvme_s": nvme,
-            "step_time_s": fixed + work + optimizer + comm + nvme, "threads_per_rank": n}
+    if cluster.shared_cores:  # this CPU: the calls' latency is in the fixed cost; its ranks wait on the link in turn
+        comm = sum(algorithm(r)[0] * r["bytes"] * r["count"] for r in comm_table(cfg)) / cluster.intra_bw
+        offload_s = offload_time(cfg, cluster, n_params)[1].get("nvme_s", 0.0)  # host memory is this machine's
+    else:
+        comm = exposed_comm_s
+    return {"device": device, "shared_cores": cluster.shared_cores, "fixed_s": fixed, "work_s": work, "optimizer_s": optimizer, "link_s": comm,
+            "offload_s": offload_s, "step_time_s": fixed + work + optimizer + comm + offload_s, "threads_per_rank": n}
 
 
 # ----------------------------------------------------------------------------- the transfers of one step
@@ -468,7 +482,8 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
         exposed = comm_s
     offload, offload_parts = offload_time(cfg, cluster, n_params)
     step = compute + bubble + exposed + offload
-    measured = cpu_step(cfg, cluster, n_params, cluster.probe == "measure") if cluster.probe else None
+    measured = (measured_step(cfg, cluster, n_params, cluster.probe == "measure", exposed, offload) if cluster.probe
+                else None)
     if measured:
         step = measured["step_time_s"]
     samples_per_step = cfg.micro_batch_size * m * lay.dp_size
@@ -481,7 +496,8 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
            "offload_s": offload, "offload": offload_parts, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_s,
            "mfu": model_flops * samples_per_step * cfg.seq_len / step / ((1 if cluster.shared_cores else world) * peak),
            "comm": comm,
-           "comm_bytes": sum(r["bytes"] * r["count"] for r in comm), "cpu_step": measured}
+           "comm_bytes": sum(r["bytes"] * r["count"] for r in comm), "measured_step": measured,
+           "measured_on": cluster.measured_on}
     if tokens:
         out.update(tokens=tokens, train_days=tokens / tokens_s / 86400, device_hours=tokens / tokens_s / 3600 * world)
     return out
@@ -491,6 +507,11 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
 def cluster_of_gpu(name: str) -> str | None:
     chip = accounting.gpu_chip(name)
     return {"a100": "a100-sxm-80g", "h100 sxm": "h100-sxm", "h200 sxm": "h200-sxm", "h100 pcie": "h100-pcie"}.get(chip)
+
+
+def present_gpu_cluster() -> str | None:
+    """The preset of the GPU this process sees, when it has one."""
+    return cluster_of_gpu(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
 def check_plannable(cfg, cluster: Cluster) -> None:
@@ -634,11 +655,12 @@ def print_per_strategy(rows: list[dict], single: dict | None) -> None:
 # ----------------------------------------------------------------------------- --plan and --search, printed
 def plan_cluster(cfg, step_script: str = "") -> Cluster:
     """--cluster, else this CPU under --accelerator cpu, else the visible GPU's node type, else the course's node;
-    --device-memory-gb overrides memory."""
+    the node type of the GPU present here has its step measured on it. --device-memory-gb overrides memory."""
     name = cfg.cluster or ("cpu" if cfg.accelerator == "cpu" else "")
-    if not name and torch.cuda.is_available():
-        name = cluster_of_gpu(torch.cuda.get_device_name(0)) or DEFAULT_GPU_CLUSTER
-    cluster = cluster_named(name or DEFAULT_GPU_CLUSTER, cfg.precision, step_script)
+    here = present_gpu_cluster() if cfg.accelerator != "cpu" else None
+    cluster = cluster_named(name or here or DEFAULT_GPU_CLUSTER, cfg.precision, step_script)
+    if here and cluster.name == here:
+        cluster = measured_gpu_cluster(here, step_script=step_script)
     if cfg.device_memory_gb:
         cluster = replace(cluster, memory_bytes=cfg.device_memory_gb * 2**30)
     return cluster
@@ -666,18 +688,30 @@ def print_plan(cfg, plan: dict) -> None:
 
 def print_time_plan(cfg, t: dict) -> None:
     ms = lambda s: f"{1e3 * s:10.2f} ms"  # noqa: E731
-    if t["cpu_step"]:  # this CPU, from its measurements (cpu_probe.py)
-        c = t["cpu_step"]
-        print(f"time plan on this CPU ({cpu_name()}), {cfg.devices} process(es) of {c['threads_per_rank']} "
-              f"thread(s), from its measurements (cpu_probe.py, cached in {measurements.cache_file()}):")
-        for key, label in (("fixed_s", "fixed (minimal model)"), ("work_s", "work of this shape"),
-                           ("optimizer_s", "optimizer sweep"), ("link_s", "bytes on the gloo link"), ("nvme_s", "NVMe")):
-            print(f"  {label:<26}{ms(c[key])}")
+    m = t["measured_step"]
+    if m and m["shared_cores"]:  # this CPU, from its measurements (device_probe.py)
+        print(f"time plan on this CPU ({cpu_name()}), {cfg.devices} process(es) of {m['threads_per_rank']} "
+              f"thread(s), from its measurements (device_probe.py, cached in {measurements.cache_file()}):")
+        print_measured_parts(m, ms)
         print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}% of "
               f"{t['peak_flops'] / 1e9:.0f} GFLOP/s (the matmul probe)")
         return
+    if m:  # the GPU present here, measured; what one GPU cannot measure is the preset's
+        print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}), the step from measurements "
+              f"on this machine's {m['device']} (device_probe.py, cached in {measurements.cache_file()}):")
+        print_measured_parts(m, ms)
+        print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}% of "
+              f"{t['peak_flops'] / 1e12:.0f} TFLOPS (the datasheet's)")
+        print("  measured here: the fixed cost, the block and head at this shape, memory bandwidth; assumed (the "
+              f"preset's): the peak, the links between GPUs{', PCIe, the host Adam, NVMe' if t['offload_s'] else ''}")
+        print_transfers(t)
+        return
     print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): peak "
           f"{t['peak_flops'] / 1e12:.1f} TFLOPS x efficiency {t['efficiency']:.2f} (an input, --cluster's)")
+    why = ("its measurements failed (the warning above)" if t["measured_on"] else
+           "this node is not here; on one, the step is measured on its GPU")
+    print(f"  measured: nothing ({why}); assumed (the preset's datasheet figures): the peak, the efficiency, every "
+          "link's bandwidth and latency")
     print(f"  {'compute':<26}{ms(t['compute_s'])}")
     print(f"  {'communication':<26}{ms(t['comm_s'])}   ({ms(t['comm_exposed_s']).strip()} not hidden behind compute)")
     if t["bubble_s"]:
@@ -688,6 +722,19 @@ def print_time_plan(cfg, t: dict) -> None:
     print(f"  {'step':<26}{ms(t['step_time_s'])}   {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f}%")
     if "train_days" in t:
         print(f"  {t['tokens']:.3g} tokens: {t['train_days']:,.1f} days, {t['device_hours']:,.0f} device-hours")
+    print_transfers(t)
+
+
+def print_measured_parts(m: dict, ms) -> None:
+    for key, label in (("fixed_s", "fixed (minimal model)"), ("work_s", "work of this shape"),
+                       ("optimizer_s", "optimizer sweep"),
+                       ("link_s", "bytes on the gloo link" if m["shared_cores"] else "transfers not hidden"),
+                       ("offload_s", "NVMe" if m["shared_cores"] else "offload")):
+        if key != "offload_s" or m[key]:
+            print(f"  {label:<26}{ms(m[key])}")
+
+
+def print_transfers(t: dict) -> None:
     if t["comm"]:
         print(f"  transfers of one optimizer step (rank 0): {'kind':<15}{'group':>6}{'bytes':>14}{'count':>7}  link   overlaps")
         for r in t["comm"]:

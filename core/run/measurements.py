@@ -102,17 +102,20 @@ def rank_threads(devices: int) -> int:
                                                            else torch.get_num_threads())
 
 
-def seconds_per_call(fn, seconds: float = 0.2, windows: int = 3) -> float:
+def seconds_per_call(fn, seconds: float = 0.2, windows: int = 3, sync=lambda: None) -> float:
     """The median of `windows` timings of fn, each at least `seconds` long, after warm-up calls that build the
-    kernels (oneDNN on its first calls)."""
+    kernels (oneDNN on its first calls). On a GPU `sync` (torch.cuda.synchronize) ends each window where its kernels
+    end: the calls between queue as a training loop's do, so the window holds their launches and their work."""
     for _ in range(2):
         fn()
+    sync()
     times = []
     for _ in range(windows):
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds / windows or count < 2:
             fn()
             count += 1
+        sync()
         times.append((time.perf_counter() - start) / count)
     return statistics.median(times)
 

@@ -1,5 +1,5 @@
 """A Python that has torch, Lightning and transformers imported already, for short jobs started by the dozen: the
-test suite's subprocesses, cpu_probe's fixed-cost runs (lab.bench's predictions) and `make lab`'s stages.
+test suite's subprocesses, device_probe's fixed-cost runs (lab.bench's predictions) and `make lab`'s stages.
 
 Every such process (each rank of a 2-process run, each torchrun "machine") spent 10-20 s of CPU on a 2-core machine
 importing torch, Lightning, torchmetrics and transformers before its first line ran, for a job of a few seconds; the
@@ -162,7 +162,7 @@ def is_client(path: str) -> bool:
 
 def install() -> None:
     """The warm client as this process's sys.executable too: what the scripts a test runs in its own process launch
-    (the lab's stages, lab.bench's cases, cpu_probe's minimal jobs, torch.compile's workers) starts warm as well."""
+    (the lab's stages, lab.bench's cases, device_probe's minimal jobs, torch.compile's workers) starts warm as well."""
     sys.executable = executable()
 
 

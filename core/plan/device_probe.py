@@ -1,20 +1,27 @@
-"""What this CPU does, measured on it and cached per machine: the CPU side of the time model (perf_model.py).
+"""What this machine does, measured on it and cached per machine: the measured side of the time model
+(perf_model.py), on its CPU, or on its GPU when a run is planned there (cached per GPU model).
 
-A GPT-2 step on a few CPU cores is not its FLOPs over a peak. Small models spend most of a step in per-operation
-and per-collective overheads that depend on the strategy (FSDP's hooks, DTensor's dispatch, DeepSpeed's engine),
-and matmuls at a run's shapes and dtype reach a share of the peak that no constant describes (a bf16 autocast run
-without bf16 instructions). So the step is predicted from three measurements of this machine:
+A GPT-2 step is not its FLOPs over a peak. Small models spend most of a step in per-operation and per-collective
+overheads that depend on the strategy (FSDP's hooks, DTensor's dispatch, DeepSpeed's engine; on a GPU the kernels'
+launches and the host's reads), and matmuls at a run's shapes and dtype reach a share of the peak that no constant
+describes (a bf16 autocast run without bf16 instructions; on the H200 the 1.6B model's micro-batch 1 at 8-11% MFU
+and micro-batch 8 at 31%, where a preset's peak x 0.45 planned 45% at both). So the step is predicted from three
+measurements of the device the run would use:
 
 - the strategy's **fixed cost**: a real step of the same strategy, precision, processes, layers and micro-batches on
-  a minimal model (width 8 per head, 8 tokens, 16 words), which holds every per-op, per-hook and per-collective cost;
+  a minimal model (width 8 per head, 8 tokens, 16 words), which holds every per-op, per-hook, per-launch and
+  per-collective cost;
 - the **work that grows with the model**: one GPT-2 block and the LM head with its loss, forward and backward, at
-  the run's shape, in the dtype the run computes in (autocast's or the weights'), with the threads a rank gets, less
-  the same at the minimal shape;
-- **bandwidths**: host memory (a copy, for the optimizer's sweep over its states) and the gloo link between two
-  processes (latency and bytes/s), for the bytes the strategy moves.
+  the run's shape, in the dtype the run computes in (autocast's or the weights'), with the threads a rank gets (on a
+  GPU its matmuls, attention and elementwise kernels queued as a step queues them), less the same at the minimal
+  shape;
+- **bandwidths**: the device's memory (a copy, for the optimizer's sweep over its states) and, on a CPU, the gloo
+  link between two processes (latency and bytes/s), for the bytes the strategy moves. One GPU measures no NVLink or
+  network: between GPUs the plan keeps its preset's figures, and says so.
 
 The fixed cost is a real run of the training script that asked for the plan (fabric_gpt.py gives its own path, as
-this layer stands below it). Every measurement is cached per machine (core/run/measurements.py).
+this layer stands below it). Every measurement is cached per machine (core/run/measurements.py), and a GPU's under
+its name as well.
 """
 
 import json
@@ -35,19 +42,28 @@ MINIMAL = {"n_embd_per_head": 8, "seq_len": 8, "vocab_size": 16, "micro_batch_si
 FIXED_STEPS, FIXED_WARMUP = 10, 4
 
 
+def on_device(device: str) -> dict:
+    """What a measurement's cache entry adds for a GPU: its model (a CPU's entries stay as they were)."""
+    return {} if device == "cpu" else {"gpu": torch.cuda.get_device_name(torch.device(device))}
+
+
+def synchronizer(device: str):
+    return (lambda: torch.cuda.synchronize(device)) if device != "cpu" else (lambda: None)
+
+
 def block_and_head(gpt2_config, micro_batch: int, precision: str, deepspeed: bool, n_threads: int,
-                   allow_measure: bool = True) -> dict | None:
+                   allow_measure: bool = True, device: str = "cpu") -> dict | None:
     """Seconds of one GPT-2 block's and of the LM head's (with the cross-entropy) forward and backward on one
-    micro-batch, measured here (cached)."""
+    micro-batch, measured here on `device` (cached)."""
     c = gpt2_config
     settings = {"n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.n_positions, "vocab_size": c.vocab_size,
                 "micro_batch": micro_batch, "precision": precision, "deepspeed": deepspeed, "threads": n_threads,
-                "attention": getattr(c, "_attn_implementation", None) or "as GPT2LMHeadModel picks"}
-    return cached("block", settings, lambda: _measure_block_and_head(c, micro_batch, precision, deepspeed, n_threads),
-                  allow_measure)
+                "attention": getattr(c, "_attn_implementation", None) or "as GPT2LMHeadModel picks", **on_device(device)}
+    return cached("block", settings,
+                  lambda: _measure_block_and_head(c, micro_batch, precision, deepspeed, n_threads, device), allow_measure)
 
 
-def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_threads: int) -> dict:
+def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_threads: int, device: str = "cpu") -> dict:
     from transformers import GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -55,7 +71,8 @@ def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_thread
     with torch.device("meta"):  # the attention implementation the whole model picks (SDPA), set on its config
         c = GPT2LMHeadModel(c).config
     torch.manual_seed(0)
-    with threads(n_threads):
+    kind = torch.device(device).type
+    with threads(n_threads), torch.device(device):
         block = GPT2Block(c).to(weights)
         head = torch.nn.Linear(c.n_embd, c.vocab_size, bias=False).to(weights)
         x = torch.randn(b, c.n_positions, c.n_embd, dtype=weights, requires_grad=True)
@@ -63,10 +80,10 @@ def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_thread
 
         def run(fn):
             def step():
-                with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                with torch.autocast(kind, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                     out = fn()
                 out.backward()
-            return seconds_per_call(step)
+            return seconds_per_call(step, sync=synchronizer(device))
 
         first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731 (transformers 4 gave tuples)
         block_s = run(lambda: first(block(x)).float().sum())
@@ -75,14 +92,16 @@ def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_thread
 
 
 # ----------------------------------------------------------------------------- bandwidths
-def memory_bandwidth(n_threads: int, allow_measure: bool = True) -> float | None:
-    """Bytes/s of a 64 MiB copy (read and write) with a rank's threads (cached)."""
+def memory_bandwidth(n_threads: int, allow_measure: bool = True, device: str = "cpu") -> float | None:
+    """Bytes/s of a copy (read and write) with a rank's threads, 64 MiB on a CPU, 1 GiB on a GPU, beyond its caches
+    (cached)."""
     def measure():
         with threads(n_threads):
-            a = torch.ones(1 << 24)
+            a = torch.ones(1 << (24 if device == "cpu" else 28), device=device)
             b = torch.empty_like(a)
-            return 2 * a.numel() * a.element_size() / seconds_per_call(lambda: b.copy_(a), seconds=0.3)
-    return cached("memory", {"threads": n_threads}, measure, allow_measure)
+            seconds = seconds_per_call(lambda: b.copy_(a), seconds=0.3, sync=synchronizer(device))
+            return 2 * a.numel() * a.element_size() / seconds
+    return cached("memory", {"threads": n_threads, **on_device(device)}, measure, allow_measure)
 
 
 def gloo_link() -> tuple[float, float]:
@@ -130,16 +149,16 @@ def _gloo_probe(rank, world, sizes, queue, port):
 
 
 # ----------------------------------------------------------------------------- the fixed cost of a strategy's step
-def minimal_flags(cfg, heads: int) -> list[str]:
+def minimal_flags(cfg, heads: int, device: str = "cpu") -> list[str]:
     """fabric_gpt.py's flags for the same strategy, precision, processes, layers, micro-batches, optimizer and
-    memory levers as cfg, on the minimal shape."""
+    memory levers as cfg, on the minimal shape, on `device`'s kind."""
     steps = FIXED_STEPS
     samples = steps * cfg.grad_accum * cfg.layout.dp_size
     out = ["--model", "tiny", "--n-embd", MINIMAL["n_embd_per_head"] * heads, "--n-head", heads,
            "--n-layer", cfg.n_layer, "--seq-len", MINIMAL["seq_len"], "--vocab-size", MINIMAL["vocab_size"],
            "--micro-batch-size", MINIMAL["micro_batch_size"], "--grad-accum", cfg.grad_accum,
            "--num-samples", samples, "--steps", steps, "--timing-warmup", FIXED_WARMUP, "--strategy", cfg.strategy,
-           "--precision", cfg.precision, "--devices", cfg.devices, "--accelerator", "cpu", "--optimizer", cfg.optimizer,
+           "--precision", cfg.precision, "--devices", cfg.devices, "--accelerator", torch.device(device).type, "--optimizer", cfg.optimizer,
            "--grad-clip", cfg.grad_clip, "--pp-schedule", cfg.pp_schedule, "--tp-size", cfg.tp_size,
            "--pp-size", cfg.pp_size, "--log-every", steps,
            # the run's attention dtype, never auto: its probe would wait for the lock this measurement holds
@@ -157,18 +176,18 @@ def minimal_heads(cfg) -> int:
     return cfg.layout.tp_size
 
 
-def fixed_step(cfg, allow_measure: bool = True, script: str = "") -> float | None:
-    """Seconds of one optimizer step of cfg's strategy on the minimal model, run here as its own job of `script` (the
-    training script whose step it is; cached, and measured only when one is given). NVMe offload is measured as
-    offload to memory (its drive traffic is a bandwidth term)."""
-    argv = minimal_flags(cfg, minimal_heads(cfg))
+def fixed_step(cfg, allow_measure: bool = True, script: str = "", device: str = "cpu") -> float | None:
+    """Seconds of one optimizer step of cfg's strategy on the minimal model, run here on `device`'s kind as its own
+    job of `script` (the training script whose step it is; cached, and measured only when one is given). NVMe offload
+    is measured as offload to memory (its drive traffic is a bandwidth term)."""
+    argv = minimal_flags(cfg, minimal_heads(cfg), device)
     # keyed by the threads its ranks get: before ranks.share_the_cores, rank 1 of fsdp, tp and pp kept every core, and
     # those entries (fsdp, tp, pp 13-62% too slow) are not read again
-    settings = {"argv": argv, "rank_threads": rank_threads(cfg.devices)}
+    settings = {"argv": argv, "rank_threads": rank_threads(cfg.devices), **on_device(device)}
     try:
         return cached("fixed", settings, lambda: _run_minimal(script, argv), allow_measure and bool(script))
     except RuntimeError as e:  # the plan goes on without it, as a lower bound, and says why
-        print(f"warning: {e}; the CPU time plan is compute alone, a lower bound", file=sys.stderr)
+        print(f"warning: {e}; the time plan is compute alone, a lower bound", file=sys.stderr)
         return None
 
 
