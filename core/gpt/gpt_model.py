@@ -55,16 +55,25 @@ def sdpa_in_float32(module, query, key, value, attention_mask, **kwargs):
     return out.to(query.dtype), weights
 
 
-def attention_implementation(cfg) -> str:
-    """"sdpa" (transformers' default), or SDPA_FLOAT32 for a 16-bit run whose --attention-precision is float32
-    (fabric_gpt.resolve_attention decides auto before anything is built)."""
-    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
-    if not half or getattr(cfg, "attention_precision", "autocast") != "float32":
-        return "sdpa"
-    from transformers import AttentionInterface
+SDPA_CAUSAL = "sdpa_causal"
 
-    AttentionInterface.register(SDPA_FLOAT32, sdpa_in_float32)
-    return SDPA_FLOAT32
+
+def attention_implementation(cfg) -> str:
+    """SDPA_CAUSAL: transformers' own SDPA attention under a name its mask functions do not know, so that no mask is
+    built: a run's windows are whole causal sequences without padding, which SDPA's is_causal computes as "sdpa"'s
+    skipped mask did, and the mask's check for packed sequences (masking_utils.find_packed_sequence_indices: a host
+    read of a device value in every forward, a GPU's queue drained) never runs. SDPA_FLOAT32 (equally maskless) for a
+    16-bit run whose --attention-precision is float32 (fabric_gpt.resolve_attention decides auto before anything is
+    built). An exported folder says "sdpa" (hf_export.py): its users pad."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
+    if half and getattr(cfg, "attention_precision", "autocast") == "float32":
+        AttentionInterface.register(SDPA_FLOAT32, sdpa_in_float32)
+        return SDPA_FLOAT32
+    AttentionInterface.register(SDPA_CAUSAL, sdpa_attention_forward)
+    return SDPA_CAUSAL
 
 
 def count_parameters(cfg) -> tuple[int, str]:
@@ -176,7 +185,7 @@ def attention_kernel(cfg, device: torch.device, implementation: str) -> str:
     """The attention kernel this run's shape gets on its device (a rank's heads under tensor parallel), in the
     dtype its matmuls run in: for the record, since PyTorch picks it silently (the 1.6B preset's head dimension 50
     is not a multiple of 8, which some kernels need)."""
-    if implementation not in ("sdpa", SDPA_FLOAT32):
+    if implementation not in ("sdpa", SDPA_CAUSAL, SDPA_FLOAT32):
         return f"{implementation} (transformers' own, scores materialised)"
     # --attention-precision float32 (chosen by auto where it measured faster), else the run's matmul dtype
     dtype = torch.float32 if implementation == SDPA_FLOAT32 else math_dtype(cfg)
