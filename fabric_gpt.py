@@ -27,7 +27,8 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 from core.gpt import hf_export, strategies, text_corpus
-from core.gpt.gpt_model import PRESETS, attention_kernel, build_model, count_parameters, resolve_attention
+from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, count_parameters,
+                                 resolve_attention)
 from core.plan import accounting, disk, gpt_figures, perf_model
 from core.run import flags
 from core.run.checkpoints import ResumeError
@@ -99,7 +100,7 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                                    runtime=True)
     chunked_loss: bool = opt(False, "the head and its loss a chunk of tokens at a time: no float32 logits of every "
                              "token (core/gpt/chunked_loss.py)", since=False)
-    compile: bool = opt(False, "torch.compile the model", runtime=True)
+    compile: bool = opt(False, "torch.compile each transformer block (one graph all blocks share)", runtime=True)
     plan: bool = opt(False, "print the memory and time plan and exit without training", group="planning", runtime=True)
     cluster: str = opt("", "plan for a100-sxm-80g, h100-sxm, h200-sxm, h100-pcie, h100-sxm-eth or cpu (here); "
                        "default: cpu on a CPU run, else the GPU's", ("", *perf_model.CLUSTERS, "cpu"), runtime=True)
@@ -462,6 +463,10 @@ def validate(cfg: Config) -> None:
     if cfg.chunked_loss and (lay.zero_stage == 3 or lay.tensor_parallel or lay.pipeline):
         raise ConfigError(f"--chunked-loss reads the head's weight in the model's own forward, which --strategy "
                           f"{cfg.strategy} gathers per module or splits; use it with auto, ddp, fsdp or ZeRO-1/2")
+    if cfg.compile and lay.zero_stage == 3:  # measured: ZeRO-3's hooks recompiled per module, the blocks left eager
+        raise ConfigError("--compile with ZeRO-3: DeepSpeed's hooks that gather each module's parameters run inside "
+                          "the compiled blocks, and torch.compile recompiles them per module until its limit; use "
+                          "--strategy fsdp (its blocks compile) or ZeRO-1/2, or drop --compile")
     if cfg.optimizer == "sgd" and lay.offload:
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
     if cfg.plan or cfg.search:
@@ -553,7 +558,7 @@ def setup_model(fabric: Fabric, cfg: Config):
     model = build_model(cfg, fabric)
     if cfg.compile:
         compile_cache_per_caps()
-        model = torch.compile(model)  # Fabric unwraps it, wraps the strategy, then compiles again
+        compile_blocks(model)
     if cfg.layout.model_parallel:  # parameters are replaced while sharding: the optimizer after
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(make_optimizer(cfg, model))

@@ -266,6 +266,9 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
         Check("gpt-1.6b-chunked", "GPT-2 1.6B, chunked loss", [("gpt-1.6b-chunked", [*gpt_1_6b(memory_gib),
                                                                                     "--chunked-loss"])],
               lambda out: big_model_verdict(record(out, "gpt-1.6b-chunked"))),
+        Check("gpt-1.6b-compiled", "GPT-2 1.6B, blocks compiled", [("gpt-1.6b-compiled", [*gpt_1_6b(memory_gib),
+                                                                                       "--compile"])],
+              lambda out: big_model_verdict(record(out, "gpt-1.6b-compiled"))),
         Check("gpt-1.6b-plan", "GPT-2 1.6B planned from this GPU", [("gpt-1.6b-plan", [
             *gpt_1_6b(memory_gib), "--plan", "--plan-json", "{out}/gpt-1.6b-plan.json"])], planned_from_this_gpu),
         *(Check(f"lenet-{p}", f"LeNet-5 {p}", [(f"lenet-{p}", lenet("--precision", p))], lenet_trained, (f"lenet-{p}",))

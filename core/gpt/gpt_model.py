@@ -115,6 +115,16 @@ def build_model(cfg, fabric=None):
     return model
 
 
+def compile_blocks(model) -> None:
+    """--compile: torch.compile each transformer block in place, as torchtitan does, not the whole model: dynamo
+    inlines the blocks' modules with their weights as inputs, so the L blocks share one graph, compiled once (the whole
+    model's graph grows with its layers, and so does its compile time); the blocks stay the modules that FSDP shards,
+    checkpointing recomputes and a pipeline stage holds, and the state dict keeps its keys, so a checkpoint reads
+    back compiled or not. The embedding and the head with its loss stay eager."""
+    for block in model.transformer.h:
+        block.compile()
+
+
 @functools.cache
 def chunked_head_model():
     """GPT2LMHeadModel whose loss, given labels, takes the head a chunk of tokens at a time (core/gpt/chunked_loss.py)
