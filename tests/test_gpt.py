@@ -959,22 +959,30 @@ def test_a_gpt_step_reads_no_device_value_between_log_points(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_compiled_steps_read_nothing_and_match_eager(tmp_path, monkeypatch):
-    """--compile compiles each block in place: the blocks of both runs (2 each) share one graph, the step reads no
-    device value, the losses are eager's, and the checkpoint's keys are the eager model's. ZeRO-3 is refused (its
-    hooks, run inside each block, recompiled per module past dynamo's limit: measured on 2 processes)."""
+    """--compile, by blocks (each compiled in place: the blocks of both runs, 2 each, share one graph) and as one
+    model: the step reads no device value, the losses are eager's, and the checkpoint's keys are the eager model's.
+    --compile-scope auto is blocks on a GPU, the model on a CPU. ZeRO-3 is refused (its hooks, run inside the
+    compiled code, recompiled per module past dynamo's limit: measured on 2 processes, both scopes)."""
     from torch._dynamo.utils import counters
 
-    graphs = counters["stats"]["unique_graphs"]
-    assert per_step_reads(monkeypatch, tmp_path / "compiled", "--compile") == {}
-    assert counters["stats"]["unique_graphs"] - graphs == 1
     per_step_reads(monkeypatch, tmp_path / "eager")
-    eager, compiled = (json.loads((tmp_path / d / "long" / "record.json").read_text()) for d in ("eager", "compiled"))
-    assert compiled["losses"][-1][1] == pytest.approx(eager["losses"][-1][1], rel=1e-4)
-    keys = [sorted(torch.load(tmp_path / d / "long" / "checkpoints" / "step-00000008" / "state", weights_only=False)
-                   ["model"]) for d in ("eager", "compiled")]
-    assert keys[0] == keys[1] and "transformer.h.1.attn.c_attn.weight" in keys[0]
-    with pytest.raises(gpt.ConfigError, match="--compile with ZeRO-3: DeepSpeed's hooks"):
-        gpt.validate(gpt.resolve(gpt.Config(strategy="deepspeed_stage_3", devices=2, compile=True)))
+    eager = json.loads((tmp_path / "eager" / "long" / "record.json").read_text())
+    state = lambda d: torch.load(tmp_path / d / "long" / "checkpoints" / "step-00000008" / "state",  # noqa: E731
+                                 weights_only=False)["model"]
+    for scope in ("blocks", "model"):
+        graphs = counters["stats"]["unique_graphs"]
+        assert per_step_reads(monkeypatch, tmp_path / scope, "--compile", "--compile-scope", scope) == {}
+        assert scope == "model" or counters["stats"]["unique_graphs"] - graphs == 1
+        compiled = json.loads((tmp_path / scope / "long" / "record.json").read_text())
+        assert compiled["config"]["compile_scope"] == scope
+        assert compiled["losses"][-1][1] == pytest.approx(eager["losses"][-1][1], rel=1e-4)
+        assert sorted(state(scope)) == sorted(state("eager")) and "transformer.h.1.attn.c_attn.weight" in state(scope)
+    assert [gpt.resolve(gpt.Config(compile=True, accelerator=a)).compile_scope for a in ("cpu", "cuda")] == [
+        "model", "blocks"]
+    for scope in ("blocks", "model"):
+        with pytest.raises(gpt.ConfigError, match="--compile with ZeRO-3: DeepSpeed's hooks"):
+            gpt.validate(gpt.resolve(gpt.Config(strategy="deepspeed_stage_3", devices=2, compile=True,
+                                                compile_scope=scope)))
 
 
 def test_a_nan_between_log_points_is_named_by_its_step_and_never_saved(tmp_path):
