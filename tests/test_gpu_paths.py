@@ -152,6 +152,33 @@ def test_large_model_verdict_on_a_gpu_without_a_known_peak():
     assert "MFU 5.0% of 989 TFLOPS" in gpu_check.big_model_verdict(r)[1]
 
 
+def test_the_plan_row_holds_the_gpus_plan_against_the_run_within_a_quarter(tmp_path):
+    """Row "GPT-2 1.6B planned from this GPU": passes when --plan's step, from measurements of the GPU, is within 25%
+    of the 1.6B run's; fails beyond, and fails a plan that measured nothing (the preset's peak x efficiency)."""
+    (tmp_path / "gpt-1.6b").mkdir()
+    (tmp_path / "gpt-1.6b" / "record.json").write_text(json.dumps({"step_time_s": 0.300,
+                                                                    "config": {"micro_batch_size": 16}}))
+    parts = {"fixed_s": 0.01, "work_s": 0.3, "optimizer_s": 0.02}
+    for step, measured, passes in ((0.330, parts, True), (0.240, parts, True), (0.390, parts, False),
+                                   (0.300, None, False)):
+        (tmp_path / "gpt-1.6b-plan.json").write_text(json.dumps({"time": {"step_time_s": step, "measured_step": measured}}))
+        ok, figure = gpu_check.planned_from_this_gpu(tmp_path)
+        assert ok == passes and f"planned {1e3 * step:.0f} ms" in figure and "at micro-batch 16" in figure, figure
+
+
+def test_a_rows_checkpoints_are_dropped_when_it_says_so_and_its_record_stays(tmp_path):
+    """The 1.6B rows drop their ~19 GB checkpoint after the verdict (a lent GPU's 64 GiB disk holds two), keeping the
+    record the table reads; other rows keep theirs."""
+    tiny_run = ["fabric_gpt.py", "--model", "tiny", "--accelerator", "cpu", "--steps", "1", "--num-samples", "8"]
+    read = lambda out: (len(gpu_check.record(out, "big")["losses"]) == 1, "read")  # noqa: E731
+    for drop in (True, False):
+        out = tmp_path / str(drop)
+        row = gpu_check.run_check(gpu_check.Check("big", "big", [("big", tiny_run)], read, drop_checkpoints=drop),
+                                  out, out / "log", set())
+        assert row["verdict"] == "pass", (out / "log").read_text()[-2000:]
+        assert (out / "big" / "record.json").exists() and (out / "big" / "checkpoints").exists() != drop
+
+
 def test_export_variants_and_l40s_have_peaks():
     from core.plan import accounting
 
