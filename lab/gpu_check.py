@@ -265,8 +265,8 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
         Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, bf16-mixed", [("gpt-1.6b", gpt_1_6b(memory_gib))],
               lambda out: big_model_verdict(record(out, "gpt-1.6b")), drop_checkpoints=True),
         # the levers together, one run (a lease's 8 minutes hold three 1.6B runs, not four): against the plain row
-        Check("gpt-1.6b-levers", "GPT-2 1.6B, compiled blocks, chunked loss", [("gpt-1.6b-levers", [
-            *gpt_1_6b(memory_gib), "--compile", "--chunked-loss"])],
+        Check("gpt-1.6b-levers", "GPT-2 1.6B, compiled blocks, chunked loss, vocabulary 50,304", [("gpt-1.6b-levers", [
+            *gpt_1_6b(memory_gib), "--compile", "--chunked-loss", "--pad-vocab-to", "64"])],
               lambda out: big_model_verdict(record(out, "gpt-1.6b-levers")), drop_checkpoints=True),
         Check("gpt-1.6b-plan", "GPT-2 1.6B planned from this GPU", [("gpt-1.6b-plan", [
             *gpt_1_6b(memory_gib), "--plan", "--plan-json", "{out}/gpt-1.6b-plan.json"])], planned_from_this_gpu),

@@ -1160,6 +1160,31 @@ def test_a_run_with_the_chunked_loss_trains_as_the_whole_head_does(single, tmp_p
         gpt.validate(gpt.resolve(gpt.Config(strategy="deepspeed_stage_3", devices=2, chunked_loss=True)))
 
 
+def test_a_padded_vocabulary_trains_as_the_unpadded_one_and_exports_without_its_padding(tmp_path):
+    """--pad-vocab-to 64 (issue 69's tensor-core shapes): a vocabulary of 250 becomes 256 rows of the embedding and
+    head, which the parameter count holds; the padding's logits are masked, so the losses equal the unpadded run's
+    step by step, with the whole head and with the chunked loss; the padding rows stay zero, and the exported folder
+    is the 250-token model, whose logits are the unpadded run's export's."""
+    from transformers import GPT2LMHeadModel
+
+    common = ["--vocab-size", "250", "--micro-batch-size", "4"]
+    run_gpt(tmp_path, "plain", *common, base=EXACT)
+    run_gpt(tmp_path, "padded", *common, "--pad-vocab-to", "64", base=EXACT)
+    run_gpt(tmp_path, "chunked", *common, "--pad-vocab-to", "64", "--chunked-loss", base=EXACT)
+    reference = losses(tmp_path, "plain")
+    assert losses(tmp_path, "padded") == pytest.approx(reference, rel=1e-5)
+    assert losses(tmp_path, "chunked") == pytest.approx(reference, rel=1e-5)
+    last = sorted((tmp_path / "padded" / "checkpoints").glob("step-*"))[-1]
+    embedding = torch.load(last / "state", weights_only=False)["model"]["transformer.wte.weight"]
+    assert embedding.shape[0] == 256 and embedding[:250].abs().sum() > 0 and not embedding[250:].any()
+    plain, padded = (GPT2LMHeadModel.from_pretrained(tmp_path / name / "hf") for name in ("plain", "padded"))
+    assert padded.config.vocab_size == 250 and padded.transformer.wte.weight.shape[0] == 250
+    tokens = torch.arange(16)[None]
+    torch.testing.assert_close(padded(tokens).logits, plain(tokens).logits, rtol=1e-4, atol=1e-4)
+    sized = lambda multiple: gpt.resolve(gpt.Config(model="tiny", vocab_size=250, pad_vocab_to=multiple))  # noqa: E731
+    assert gpt.count_parameters(sized(64))[0] - gpt.count_parameters(sized(1))[0] == 6 * sized(1).n_embd
+
+
 @pytest.mark.slow
 def test_fsdp_with_the_chunked_loss_equals_one_process(single, tmp_path):
     run_gpt(tmp_path, "chunked", "--strategy", "fsdp", "--devices", "2", *TWO_PROCESS["fsdp"], "--chunked-loss",

@@ -18,9 +18,12 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
 
 
-def chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    """(the chunk's summed loss, its softmax in float32, which targets count) for hidden rows h."""
+def chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, classes: int | None = None):
+    """(the chunk's summed loss, its softmax in float32, which targets count) for hidden rows h; rows of `weight`
+    from `classes` on (--pad-vocab-to's padding) get -inf logits: no probability, no gradient."""
     logits = (h @ weight.t()).float()
+    if classes is not None and classes < logits.shape[1]:
+        logits[:, classes:] = float("-inf")
     lse = logits.logsumexp(-1)
     valid = targets != IGNORE
     picked = logits.gather(1, targets.clamp_min(0)[:, None])[:, 0]
@@ -32,14 +35,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     chunk by chunk, and scaled by the incoming gradient in backward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                classes: int | None = None):
         count = (targets != IGNORE).sum().clamp_min(1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
-            loss, p, valid = chunk_loss(h, weight, t)
+            loss, p, valid = chunk_loss(h, weight, t, classes)
             total += loss
             p[torch.arange(len(t), device=p.device), t.clamp_min(0)] -= 1  # d loss / d logits: softmax - one-hot
             p *= (valid / count)[:, None]
@@ -53,13 +57,16 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad.to(grad_hidden.dtype), (grad_weight * grad).to(ctx.weight_dtype), None, None
+        return grad_hidden * grad.to(grad_hidden.dtype), (grad_weight * grad).to(ctx.weight_dtype), None, None, None
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """transformers' causal LM loss of hidden states [B, T, h] under the head `weight` (labels: [B, T] token ids)."""
+def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = CHUNK,
+                   classes: int | None = None) -> torch.Tensor:
+    """transformers' causal LM loss of hidden states [B, T, h] under the head `weight` (labels: [B, T] token ids),
+    over the first `classes` rows of the head (all by default)."""
     h, targets = hidden.reshape(-1, hidden.shape[-1]), shifted(labels)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return LinearCrossEntropy.apply(h, weight, targets, chunk)
-    total = sum(chunk_loss(h[s:s + chunk], weight, targets[s:s + chunk])[0] for s in range(0, h.shape[0], chunk))
+        return LinearCrossEntropy.apply(h, weight, targets, chunk, classes)
+    total = sum(chunk_loss(h[s:s + chunk], weight, targets[s:s + chunk], classes)[0]
+                for s in range(0, h.shape[0], chunk))
     return total / (targets != IGNORE).sum().clamp_min(1)

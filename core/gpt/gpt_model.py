@@ -26,10 +26,18 @@ PRESETS = {
 
 
 
-def gpt2_config(cfg, attention: str | None = None, end_of_text: int | None = None):
+def model_vocab(cfg) -> int:
+    """The embedding's and the head's rows: the vocabulary padded up to a multiple of --pad-vocab-to (nanoGPT's
+    50,304 for 50,257), whose padding rows stay zero and whose classes the loss never counts (mask_padding)."""
+    multiple = getattr(cfg, "pad_vocab_to", 1) or 1
+    return -(-cfg.vocab_size // multiple) * multiple
+
+
+def gpt2_config(cfg, attention: str | None = None, end_of_text: int | None = None, padded: bool = True):
     """The transformers GPT2Config of a run's shape (no dropout by default, no KV cache), with the attention the run
-    computes (attention_implementation) unless `attention` names one. `end_of_text`: the tokenizer's <|endoftext|>
-    id, the folder's bos/eos (training reads neither; a run without a tokenizer has the last id)."""
+    computes (attention_implementation) unless `attention` names one, and the padded vocabulary unless `padded` is
+    False (an exported folder's). `end_of_text`: the tokenizer's <|endoftext|> id, the folder's bos/eos (training
+    reads neither; a run without a tokenizer has the last id)."""
     from transformers import GPT2Config
 
     eot = cfg.vocab_size - 1 if end_of_text is None else end_of_text
@@ -37,7 +45,8 @@ def gpt2_config(cfg, attention: str | None = None, end_of_text: int | None = Non
     # step of the nanoGPT recipe (python -m lab.bench text) and saved 12 of a block's 112 bytes per element for backward
     return GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=cfg.seq_len,
                       activation_function="gelu_pytorch_tanh",
-                      vocab_size=cfg.vocab_size, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                      vocab_size=model_vocab(cfg) if padded else cfg.vocab_size, resid_pdrop=cfg.dropout,
+                      embd_pdrop=cfg.dropout,
                       attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=eot, eos_token_id=eot,
                       attn_implementation=attention or attention_implementation(cfg))
 
@@ -105,6 +114,9 @@ def build_model(cfg, fabric=None):
         model = model_class(gpt2_config(cfg))
         model.tie_weights()  # lm_head is the token embedding: the skipped initialisation ties them
     model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, named: no warning per rank
+    model.lm_head.classes = cfg.vocab_size  # the chunked loss reads it too
+    if model_vocab(cfg) > cfg.vocab_size:
+        model.lm_head.register_forward_hook(mask_padding)  # a pipeline's last stage holds this module too
     fill_initial_weights(model, cfg, partitioned)
     if cfg.grad_checkpointing:
         kwargs = {"use_reentrant": False}  # the reentrant variant drops gradients of inputs without grad
@@ -113,6 +125,13 @@ def build_model(cfg, fabric=None):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+def mask_padding(head, inputs, logits: torch.Tensor) -> torch.Tensor:
+    """The head's forward hook under --pad-vocab-to: the padding's logits are -inf, so that softmax and the loss see
+    the vocabulary's classes only (exp(-inf) = 0: no probability, no gradient, the padding rows stay zero)."""
+    padding = torch.arange(logits.shape[-1], device=logits.device) >= head.classes
+    return logits.masked_fill(padding, float("-inf"))
 
 
 def compile_blocks(model) -> None:
@@ -140,7 +159,8 @@ def chunked_head_model():
             if labels is None:
                 return super().forward(input_ids=input_ids, **kwargs)
             hidden = self.transformer(input_ids, **kwargs).last_hidden_state
-            return CausalLMOutputWithCrossAttentions(loss=causal_lm_loss(hidden, self.lm_head.weight, labels))
+            return CausalLMOutputWithCrossAttentions(loss=causal_lm_loss(hidden, self.lm_head.weight, labels,
+                                                                         classes=self.lm_head.classes))
 
     return GPT2ChunkedLoss
 
@@ -155,6 +175,10 @@ def initial_weights(name: str, shape: torch.Size, cfg) -> torch.Tensor:
         return torch.ones(shape)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
     generator = torch.Generator().manual_seed(cfg.seed * 2**32 + zlib.crc32(name.encode()))
+    if name.endswith("wte.weight") and shape[0] > cfg.vocab_size:  # --pad-vocab-to: the vocabulary's rows as an
+        # unpadded run draws them, the padding zero (and zero it stays: no logit of it counts, no token is one)
+        rows = torch.randn((cfg.vocab_size, *shape[1:]), generator=generator) * std
+        return torch.cat([rows, rows.new_zeros((shape[0] - cfg.vocab_size, *shape[1:]))])
     return torch.randn(shape, generator=generator) * std
 
 

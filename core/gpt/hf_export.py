@@ -47,11 +47,14 @@ def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.fl
     folder = Path(folder)
     tokenizer = run_tokenizer(folder.parent, cfg)
     end_of_text = tokenizer.eos_token_id if tokenizer is not None else None
-    config = gpt_model.gpt2_config(cfg, attention="sdpa", end_of_text=end_of_text)  # float32 attention is ours
+    # float32 attention is ours, and so is --pad-vocab-to's padding (zero rows, never a class): the folder has neither
+    config = gpt_model.gpt2_config(cfg, attention="sdpa", end_of_text=end_of_text, padded=False)
     config.use_cache = True  # training turns the KV cache off; generation wants it
     config.pad_token_id = config.eos_token_id
     with torch.device("meta"):  # no weights of its own: it takes the dict's tensors (assign), never a copy
         model = GPT2LMHeadModel(config)
+    padded = lambda k, v: k in ("transformer.wte.weight", "lm_head.weight") and v.shape[0] > cfg.vocab_size  # noqa: E731
+    state_dict = {k: v[:cfg.vocab_size].clone() if padded(k, v) else v for k, v in state_dict.items()}
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to the token embedding

@@ -9,7 +9,7 @@ import time
 import psutil
 import torch
 
-from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters
+from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, model_vocab
 from core.gpt.strategies import deepspeed_on_cpu, fsdp_gathers_bf16
 from core.run import measurements
 from core.run.flags import ConfigError
@@ -167,7 +167,7 @@ def block_params(h: int) -> int:
 
 
 def largest_layer_params(cfg) -> int:
-    return max(cfg.vocab_size * cfg.n_embd, block_params(cfg.n_embd))
+    return max(model_vocab(cfg) * cfg.n_embd, block_params(cfg.n_embd))
 
 
 def model_states(cfg, P: int) -> dict:
@@ -176,7 +176,7 @@ def model_states(cfg, P: int) -> dict:
     lay = cfg.layout
     N, stage, offload = lay.world, lay.zero_stage, lay.offload
     per = weight_bytes(cfg)
-    h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    h, L, V, S = cfg.n_embd, cfg.n_layer, model_vocab(cfg), cfg.seq_len
     states = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, "ddp_buckets": 0.0, "gathered_layer": 0.0}
     moments = 2 if cfg.optimizer == "adamw" else 0  # AdamW's m and v; plain SGD keeps none
     if lay.deepspeed:
@@ -243,7 +243,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     it was 2r + 14w + 12g: 112 bytes in float32, 84 under autocast on an H100, where pow ran in float32.) Autocast also keeps each block's 16-bit weight
     copies (12h² x 2 bytes) for backward. Eager attention adds the s x s scores (Korthikanti's 5as/h, in w-byte
     words). Tensor parallel splits all but the LayerNorms' inputs and outputs by t."""
-    s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
+    s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, model_vocab(cfg)
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
     lay = cfg.layout
@@ -366,7 +366,7 @@ def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> floa
     blocks' activations. GPT-2 small's 154 MB embedding gradient goes back to the system, its 2-9 MB block matrices
     stay. Measured with mallinfo2 before a save (GPT-2 small's width, 4 blocks, AVX-512 EPYC): 0.165 GiB of freed
     heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing (0.239; every freed tensor counted, 0.375)."""
-    h, V, L, s, b = cfg.n_embd, cfg.vocab_size, cfg.n_layer, cfg.seq_len, cfg.micro_batch_size
+    h, V, L, s, b = cfg.n_embd, model_vocab(cfg), cfg.n_layer, cfg.seq_len, cfg.micro_batch_size
     matrices = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
 
     def resident(numels, nbytes):

@@ -13,6 +13,7 @@ strategy and on `small` under ZeRO-Infinity (tests/test_faults.py compares them 
 
 from pathlib import Path
 
+from core.gpt.gpt_model import model_vocab
 from core.plan.accounting import weight_bytes
 from core.run.checkpoints import room_needed
 from core.run.files import free_bytes, nearest_existing
@@ -34,7 +35,7 @@ def tensors(cfg) -> int:
 def checkpoint_bytes(cfg, P: int) -> float:
     """One checkpoint on disk, every rank's files together."""
     lay, T, m = cfg.layout, tensors(cfg), 2 if cfg.optimizer == "adamw" else 0
-    word, head = weight_bytes(cfg), cfg.vocab_size * cfg.n_embd
+    word, head = weight_bytes(cfg), model_vocab(cfg) * cfg.n_embd
     steps = 4 * T * (m > 0)  # AdamW's step counters, one float a tensor
     if lay.deepspeed:  # module weights (ZeRO-3: placeholders per rank) and, per rank, the fp32 master and moments
         module = lay.world * DEEPSPEED_RANK_FILE if lay.zero_stage == 3 else word * P + 8 * ZIP_RECORD
@@ -59,7 +60,7 @@ def nvme_bytes(cfg, P: int) -> float:
     CPU budget (the tiny model writes nothing there)."""
     if not cfg.nvme_path:
         return 0.0
-    return 16 * P + weight_bytes(cfg) * (P + cfg.vocab_size * cfg.n_embd)
+    return 16 * P + weight_bytes(cfg) * (P + model_vocab(cfg) * cfg.n_embd)
 
 
 def export_bytes(cfg, P: int, dtype_bytes: int) -> float:

@@ -186,7 +186,7 @@ def measured_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool, exp
 # ----------------------------------------------------------------------------- the transfers of one step
 def param_tensors(cfg) -> list[tuple[str, tuple]]:
     """GPT2LMHeadModel's parameters in registration order (HF Conv1D weights are [in, out]; lm_head is tied)."""
-    h, V, S = cfg.n_embd, cfg.vocab_size, cfg.seq_len
+    h, V, S = cfg.n_embd, gpt_model.model_vocab(cfg), cfg.seq_len
     out = [("wte", (V, h)), ("wpe", (S, h))]
     for i in range(cfg.n_layer):
         out += [(f"h.{i}.{n}", s) for n, s in (
@@ -379,7 +379,7 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
     m, link = cfg.grad_accum, link_of(cfg, "pp")
     activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"]
     rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
-            row("all_reduce", 2 if p > 1 else 1, cfg.vocab_size * cfg.n_embd * w["grad"], 1, link, "none"),
+            row("all_reduce", 2 if p > 1 else 1, gpt_model.model_vocab(cfg) * cfg.n_embd * w["grad"], 1, link, "none"),
             row("all_reduce", cfg.layout.world, 8, 1, link_of(cfg, "dp"), "none")]
     if dp > 1:
         from core.gpt.strategies import stage_blocks
@@ -415,7 +415,7 @@ def transfer_time(r: dict, cluster: Cluster) -> float:
 def flops_per_device(cfg, n_params: int) -> dict:
     """FLOPs of one optimizer step on the busiest device: the model's (6N + attention per token) and the
     recomputed forward under checkpointing, split as the strategy splits the work."""
-    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    h, L, V = cfg.n_embd, cfg.n_layer, gpt_model.model_vocab(cfg)
     head = 6 * V * h  # the LM head's matmul per token (the embedding lookup costs no FLOPs)
     total = accounting.flops_per_token(cfg, n_params)["standard"]
     blocks = total - head
