@@ -50,8 +50,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     n_head: int = opt(0, "attention heads (0: the preset's)", min=0)
     seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=0)
     vocab_size: int = opt(0, "vocabulary size (0: the preset's)", min=2, zero=True)
-    pad_vocab_to: int = opt(1, "embedding and head rows a multiple of this (64: 50,257 -> 50,304, tensor-core shapes); "
-                            "the padding masked out of the loss and the export", min=1, max=4096, since=1)
+    pad_vocab_to: int = opt(1, "embedding and head rows a multiple of this (64: 50,257 -> 50,304); the padding is "
+                            "masked, never exported", min=1, max=4096, since=1)
     dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step", min=0, below=1)
     dataset: str = opt("", "random tokens (as the course; the default), ramp (x[t+1] = x[t] + 1) or text (windows of "
                        "a corpus; the default with --text or --tokenizer)", ("", "random", "ramp", "text"),
