@@ -154,8 +154,8 @@ def resolve(cfg: Config) -> Config:
                               grad_accum=cfg.grad_accum or cfg.layout.pp_size,
                               lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4),
                               log_every=cfg.log_every or (10 if uses_gpu(cfg.accelerator) else 1),
-                              compile_scope=cfg.compile_scope.replace("auto", "blocks" if uses_gpu(cfg.accelerator)
-                                                                      else "model"))
+                              compile_scope=cfg.compile_scope if cfg.compile_scope != "auto" else
+                              "blocks" if uses_gpu(cfg.accelerator) else "model")
     return cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
 
 

@@ -179,8 +179,9 @@ def measured_step(cfg, cluster: Cluster, n_params: int, allow_measure: bool, exp
         offload_s = offload_time(cfg, cluster, n_params)[1].get("nvme_s", 0.0)  # host memory is this machine's
     else:
         comm = exposed_comm_s
-    return {"device": device, "shared_cores": cluster.shared_cores, "fixed_s": fixed, "work_s": work, "optimizer_s": optimizer, "link_s": comm,
-            "offload_s": offload_s, "step_time_s": fixed + work + optimizer + comm + offload_s, "threads_per_rank": n}
+    return {"device": device, "shared_cores": cluster.shared_cores, "fixed_s": fixed, "work_s": work,
+            "optimizer_s": optimizer, "link_s": comm, "offload_s": offload_s,
+            "step_time_s": fixed + work + optimizer + comm + offload_s, "threads_per_rank": n}
 
 
 # ----------------------------------------------------------------------------- the transfers of one step
