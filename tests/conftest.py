@@ -96,9 +96,10 @@ def run_script(*args, timeout=600, check=True, env=None, cold=False) -> subproce
 
 
 @contextlib.contextmanager
-def small_disk(folder: Path, size: int):
-    """A real file system of `size` bytes at `folder`, a tmpfs, unmounted after: what a full disk is tested on. CI
-    runs as root; without the right to mount the test fails saying so, rather than pass untested."""
+def sized_disk(folder: Path, size: int):
+    """A real file system of `size` bytes at `folder`, a tmpfs, unmounted after: what a full disk is tested on, and a
+    disk whose room does not depend on the machine (a tmpfs's size may exceed its memory: only what is written takes
+    any). CI runs as root; without the right to mount the test fails saying so, rather than pass untested."""
     folder.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size)}", "tmpfs", str(folder)], capture_output=True,
                           text=True)

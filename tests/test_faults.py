@@ -14,7 +14,7 @@ import pytest
 
 import fabric_gpt as gpt
 from conftest import (EXACT, REPO, TWO_PROCESS, fill, losses, read_summary, record, run_in_process, run_script,
-                      small_disk, wait_for_checkpoint)
+                      sized_disk, wait_for_checkpoint)
 from core.plan import disk
 from core.run import warm_python
 from core.run.checkpoints import room_needed
@@ -53,7 +53,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_message_and_the_run_resumes_to_its_e
         (two_process(name), ["--strategy", name, "--devices", "2", *TWO_PROCESS[name]])
     args = [*EXACT, *flags, "--checkpoint-every", "2", "--run-name", "cut"]
     planned = planned_checkpoint(args)
-    with small_disk(tmp_path / "disk", room_needed(planned) + disk.RUN_FILES + 0.3 * planned + 2**16) as mount:
+    with sized_disk(tmp_path / "disk", room_needed(planned) + disk.RUN_FILES + 0.3 * planned + 2**16) as mount:
         proc = run(*args, "--out-dir", mount, check=False, timeout=300)
         message, said = one_error(proc), proc.stdout + proc.stderr
         assert said.count("warning: ") == 1 and "holds 1 checkpoint(s)" in said and "only the first fits" in said, said
@@ -76,7 +76,7 @@ def test_zero_infinity_at_a_full_disk_is_one_message_and_keeps_its_checkpoint(tm
     args = [*TINY, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", nvme, "--devices", "2",
             "--checkpoint-every", "2", "--run-name", "inf"]
     planned = planned_checkpoint(args)
-    with small_disk(tmp_path / "disk", room_needed(planned) + disk.RUN_FILES + 0.3 * planned + 2**16) as mount:
+    with sized_disk(tmp_path / "disk", room_needed(planned) + disk.RUN_FILES + 0.3 * planned + 2**16) as mount:
         message = one_error(run_script("fabric_gpt.py", *args, "--out-dir", mount, check=False))
         assert "checkpoint of step 4" in message and "step-00000002, is intact" in message, message
         assert sorted(p.name for p in (mount / "inf" / "checkpoints").iterdir()) == ["step-00000002"]
@@ -86,7 +86,7 @@ def test_zero_infinity_at_a_full_disk_is_one_message_and_keeps_its_checkpoint(tm
 def test_a_write_that_meets_a_full_disk_under_ddp_stops_both_ranks_with_one_message(mnist_dir, tmp_path):
     """No plan to check first (LeNet-5 plans no disk): rank 0's write itself fails on the full disk, and the rank
     that waits in the save's barrier is met there, not left hanging; one message, the epoch's checkpoint intact."""
-    with small_disk(tmp_path / "disk", 1400 * 2**10) as mount:
+    with sized_disk(tmp_path / "disk", 1400 * 2**10) as mount:
         proc = run_script("fabric_lenet.py", "--devices", "2", "--strategy", "ddp", "--accelerator", "cpu",
                           "--out-dir", mount, "--run-name", "l", "--data-dir", mnist_dir, "--max-steps", "40",
                           "--checkpoint-every", "10", "--no-tb-images", "--train-samples", "4096", check=False,
@@ -97,7 +97,7 @@ def test_a_write_that_meets_a_full_disk_under_ddp_stops_both_ranks_with_one_mess
 
 
 def test_a_disk_without_room_for_the_first_checkpoint_is_refused_before_the_model_is_built(tmp_path):
-    with small_disk(tmp_path / "disk", 300 * 2**10) as mount:
+    with sized_disk(tmp_path / "disk", 300 * 2**10) as mount:
         proc = run_in_process("fabric_gpt.py", *TINY, "--out-dir", mount, "--run-name", "r", check=False)
         message = one_error(proc)
         assert f"the disk of {mount / 'r'} has" in message and "first checkpoint needs" in message, message
@@ -109,7 +109,7 @@ def test_a_disk_without_room_for_the_first_checkpoint_is_refused_before_the_mode
 def test_a_disk_without_room_for_the_nvme_folder_is_refused_before_the_model_is_built(tmp_path):
     """ZeRO-Infinity's swap folder is planned (the `small` model's: 16 bytes a parameter and the weights) and a
     disk without room for it refused, naming the folder and what it needs, before any rank builds the model."""
-    with small_disk(tmp_path / "nvme", 64 * 2**20) as nvme:
+    with sized_disk(tmp_path / "nvme", 64 * 2**20) as nvme:
         args = ["--model", "small", "--seq-len", "64", "--micro-batch-size", "1", "--num-samples", "4",
                 "--accelerator", "cpu", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", nvme, "--devices", "2"]
         started = time.time()
@@ -132,7 +132,7 @@ def test_a_full_disk_at_record_json_keeps_the_trained_run_and_resuming_writes_th
         return done
 
     args = [*TINY, "--checkpoint-every", "4", "--run-name", "rec"]
-    with small_disk(tmp_path / "disk", 8 * 2**20) as mount:
+    with sized_disk(tmp_path / "disk", 8 * 2**20) as mount:
         monkeypatch.setattr(lifecycle.Run, "save", save_then_fill)
         message = one_error(run_in_process("fabric_gpt.py", *args, "--out-dir", mount, check=False))
         monkeypatch.undo()
@@ -146,7 +146,7 @@ def test_a_full_disk_at_record_json_keeps_the_trained_run_and_resuming_writes_th
 def test_a_full_disk_at_the_prepared_data_stops_before_training_and_keeps_nothing_half_written(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("to be or not to be, that is the question. " * 40_000)  # 1.7 MB: 1.7 MB of char tokens
-    with small_disk(tmp_path / "data", 1 * 2**20) as data:
+    with sized_disk(tmp_path / "data", 1 * 2**20) as data:
         message = one_error(run_in_process("fabric_gpt.py", *TINY, "--text", text, "--data-dir", data,
                                            "--out-dir", tmp_path, "--run-name", "t", check=False))
         assert message.startswith(f"error: no space left to write the prepared token files of {text}"), message
@@ -161,7 +161,7 @@ def test_a_full_disk_at_the_export_keeps_the_checkpoint_and_names_the_command(tm
     monkeypatch.setattr(gpt.hf_export, "write_hf_folder", lambda sd, cfg, folder, *a: (fill(folder.parent.parent),
                                                                                       write(sd, cfg, folder, *a))[1])
     args = [*TINY, "--export", "--run-name", "ex"]
-    with small_disk(tmp_path / "disk", 8 * 2**20) as mount:
+    with sized_disk(tmp_path / "disk", 8 * 2**20) as mount:
         message = one_error(run_in_process("fabric_gpt.py", *args, "--out-dir", mount, check=False))
         monkeypatch.undo()
         assert message.startswith(f"error: no space left to write the Hugging Face folder {mount / 'ex' / 'hf'}"), message

@@ -257,7 +257,7 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
     """A real disk that another program fills between the save's check of its room and its write (step 4): the
     write itself meets ENOSPC; one line naming the folder, the bytes, the last complete checkpoint and the resume
     command; exit 1; no partial folder; the run resumes from step 2 to its end."""
-    from conftest import fill, small_disk
+    from conftest import fill, sized_disk
     from core.run import checkpoints
 
     room = checkpoints.Checkpoints.room
@@ -268,7 +268,7 @@ def test_a_full_disk_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
             fill(self.folder.parent.parent, leave=64 * 2**10)
         return answer
 
-    with small_disk(tmp_path / "disk", 16 * 2**20) as mount:
+    with sized_disk(tmp_path / "disk", 16 * 2**20) as mount:
         args = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
                 "--checkpoint-every", "2", "--out-dir", mount, "--run-name", "full"]
         monkeypatch.setattr(checkpoints.Checkpoints, "room", filled_after_the_check)
