@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 import datasets_local
-from core.lenet import cpu_speed, figures
+from core.lenet import cpu_speed, figures, whole_step
 from core.run import flags
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
@@ -51,6 +51,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     compile: bool = opt(False, "torch.compile the model (slow to start, faster steps on GPU)", runtime=True)
     compile_mode: str = opt("default", "torch.compile's mode (with --compile); reduce-overhead: CUDA graphs",
                             ("default", "reduce-overhead", "max-autotune"), runtime=True)
+    cuda_graph: bool = opt(False, "the whole step as one static-shape program, captured as one CUDA graph on a GPU "
+                           "(core/lenet/whole_step.py; one device, in-memory data, AdamW)", runtime=True)
     sync_check: bool = opt(False, "CUDA: fail at a host synchronisation in a step (from a shape's 4th)", runtime=True)
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU", runtime=True)
     pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
@@ -142,16 +144,18 @@ def epoch_order(n: int, epoch: int, cfg: Config, rank: int, world: int) -> torch
 
 
 def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_batch: int, train_tensors):
-    """Yield this rank's batches from batch `start` on, by in-memory slicing or through a DataLoader."""
+    """Yield this rank's batches from batch `start` on, by in-memory slicing or through a DataLoader, each as
+    (samples, (images, labels))."""
     if cfg.data == "memory":
         x, y = train_tensors
         order = order.to(x.device)  # on a GPU the data set is there too: each batch a gather, no host copy
         for i in range(start * local_batch, len(order), local_batch):
             idx = order[i:i + local_batch]
-            yield x[idx], y[idx]
+            yield len(idx), (x[idx], y[idx])
     else:
         sampler = order[start * local_batch:].tolist()
-        yield from DataLoader(train, batch_size=local_batch, sampler=sampler, num_workers=cfg.num_workers)
+        for xb, yb in DataLoader(train, batch_size=local_batch, sampler=sampler, num_workers=cfg.num_workers):
+            yield len(yb), (xb, yb)
 
 
 # ----------------------------------------------------------------------------- training
@@ -160,9 +164,8 @@ def train_step(fabric: Fabric, model, optimizer, scheduler, xb, yb, cfg: Config,
     xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
     if cfg.channels_last:
         xb = xb.contiguous(memory_format=torch.channels_last)
-    if cfg.augment:
-        seed = cfg.seed * 1_000_003 + step * fabric.world_size + fabric.global_rank  # drawn where the batch is
-        xb = datasets_local.random_shift(xb, torch.Generator(xb.device).manual_seed(seed))
+    if cfg.augment:  # drawn where the batch is
+        xb = datasets_local.random_shift(xb, torch.Generator(xb.device).manual_seed(whole_step.shift_seed(cfg, step, fabric)))
     loss = F.cross_entropy(model(xb), yb, label_smoothing=cfg.label_smoothing)
     fabric.backward(loss)
     optimizer.step()
@@ -178,37 +181,45 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
     world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
     epoch_steps = steps_per_epoch(len(train_set), cfg, world)
     timer, losses = StepTimer(fabric.device), LossWatch(fabric, cfg.precision)
+    augment = cfg.augment and (datasets_local.shift_offsets, datasets_local.shift)
+    whole = cfg.cuda_graph and whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, train_tensors,
+                                                    local_batch, epoch_steps, augment)
     shapes = collections.Counter()  # a new batch shape (an epoch's last batch) is compiled and captured anew
     result = {}
     while progress.epoch < cfg.epochs and not reached_max_steps(progress, cfg):
         epoch, epoch_start_time, data_wait, seen = progress.epoch, progress.train_time_s, 0.0, 0
         order = epoch_order(len(train_set), epoch, cfg, fabric.global_rank, world)
-        batches = train_batches(train_set, order, progress.step_in_epoch, cfg, local_batch, train_tensors)
+        batches = (whole.epoch(order, progress.step_in_epoch, progress.global_step - progress.step_in_epoch) if whole
+                   else train_batches(train_set, order, progress.step_in_epoch, cfg, local_batch, train_tensors))
         left = epoch_steps - progress.step_in_epoch  # the bar counts the steps this run takes (--max-steps included)
         left = max(0, min(left, cfg.max_steps - progress.global_step)) if cfg.max_steps else left
         timer.start()
         t_fetch = time.perf_counter()
-        for xb, yb in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
-            shapes[xb.shape] += 1
+        for n, batch in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
+            shape = batch[0].shape if batch else "whole step"  # the whole step: warm-up steps, then its capture
+            shapes[shape] += 1
             data_wait += time.perf_counter() - t_fetch
-            with host_sync_forbidden(cfg.sync_check and shapes[xb.shape] > 3):  # after warm-up and capture
-                loss = train_step(fabric, model, optimizer, scheduler, xb, yb, cfg, progress.global_step)
+            with host_sync_forbidden(cfg.sync_check and shapes[shape] > 3 + bool(whole)):  # after warm-up and capture
+                loss = whole() if whole else train_step(fabric, model, optimizer, scheduler, *batch, cfg,
+                                                        progress.global_step)
             timer.stop()  # the step and the fetch of its batch: training time; check points below are not
             progress.step_in_epoch += 1
             progress.global_step += 1
-            seen += len(yb) * world
-            losses.add(progress.global_step, loss, weight=len(yb))
+            seen += n * world
+            losses.add(progress.global_step, loss, weight=n)
             if check_point(run, model, losses, timer, test_tensors):
                 break
             timer.start()
             t_fetch = time.perf_counter()
         fold_losses(run, losses, timer)  # the epoch's last steps
-        speed = {"epoch_time_s": progress.train_time_s - epoch_start_time, "seen": seen, "data_wait": data_wait}
+        speed = {"epoch_time_s": progress.train_time_s - epoch_start_time, "seen": seen, "data_wait": data_wait,
+                 "wall": timer.wall}
         result = end_epoch(run, model, test_tensors, epoch, speed, epoch_steps)
         more = progress.epoch < cfg.epochs and not reached_max_steps(progress, cfg)
         if more and run.stop.requested(fabric)[0]:  # a signal during the epoch's evaluation or save: stop there
             raise run.stopped()
-    return result or evaluate(fabric, model, test_tensors)  # nothing left to train: the checkpoint's own scores
+    result = result or evaluate(fabric, model, test_tensors)  # nothing left to train: the checkpoint's own scores
+    return {**result, "cuda_graph": whole.described()} if whole else result
 
 
 def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tensors) -> bool:
@@ -226,7 +237,7 @@ def check_point(run: Run, model, losses: LossWatch, timer: StepTimer, test_tenso
     if eval_due:
         result, seconds = evaluate(fabric, model, test_tensors), progress.train_time_s
         progress.history.append({"epoch": progress.epoch + 1, "step": step, "train_time_s": seconds, "partial": True,
-                                 **{k: result[k] for k in ("test_loss", "test_acc")}})
+                                 "wall_s": timer.wall(), **{k: result[k] for k in ("test_loss", "test_acc")}})
         run.logger.log_metrics({"test/loss": result["test_loss"], "test/acc": result["test_acc"]}, step=step)
         fabric.print(f"  step {step}: test acc {100 * result['test_acc']:.2f}% after {seconds:.2f} s of training")
         stopping = stopping or run.stop.requested(fabric)[0]  # a signal during it: stop at this step
@@ -261,7 +272,8 @@ def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_step
               "train_loss": progress.loss_sum / max(progress.loss_count, 1), "epoch_time_s": seconds,
               "samples_per_s": speed["seen"] / seconds if seconds else 0.0,
               "data_wait_share": speed["data_wait"] / seconds if seconds else 0.0,
-              "train_time_s": progress.train_time_s, **{k: result[k] for k in ("test_loss", "test_acc")}}
+              "train_time_s": progress.train_time_s, "wall_s": speed["wall"](),
+              **{k: result[k] for k in ("test_loss", "test_acc")}}
     progress.history.append(record)
     figures.print_epoch(fabric, record, cfg.epochs)
     run.logger.log_metrics({"test/loss": record["test_loss"], "test/acc": record["test_acc"],
@@ -345,6 +357,8 @@ def validate(cfg: Config) -> dict | None:
                           "find (tests/test_lenet.py counts host reads on CPU instead)")
     if cfg.compile_mode != "default" and not cfg.compile:
         raise ConfigError(f"--compile-mode {cfg.compile_mode} is a mode of torch.compile; add --compile")
+    if cfg.cuda_graph:
+        check_whole_step(cfg)
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
     if cfg.activation == "gelu_cpp":
@@ -355,6 +369,22 @@ def validate(cfg: Config) -> dict | None:
         cfg.precision, probe = cpu_speed.lenet_precision(cfg, lambda: LeNet5(cfg))
         return probe
     return None
+
+
+def check_whole_step(cfg: Config) -> None:
+    """--cuda-graph's step is one device's, on its in-memory data, with AdamW: refuse what it cannot be."""
+    refusals = [
+        (cfg.layout.world > 1 or cfg.layout.threads, f"--strategy {cfg.strategy} on {cfg.devices} device(s) x "
+         f"{cfg.num_nodes} node(s): the graph is one device's step; use one device"),
+        (cfg.data != "memory", "--data loader: the step gathers its batch on the device; use --data memory"),
+        (cfg.compile, "--compile: torch.compile's own CUDA graphs are --compile --compile-mode reduce-overhead"),
+        (cfg.precision == "16-mixed", "--precision 16-mixed: its loss scaler reads each step's overflow on the "
+         "host; use bf16-mixed"),
+        (cfg.optimizer != "adamw", "--optimizer sgd: the graph's optimizer is AdamW (capturable); use adamw"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"--cuda-graph with {why}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -388,6 +418,8 @@ def main(argv=None) -> dict:
         run = Run(fabric, cfg, "lenet", dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress),
                   stop)
         fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
+        if cfg.cuda_graph and fabric.device.type != "cuda":
+            fabric.print(f"CUDA graph: not captured on {fabric.device.type}; the whole step runs as the same static program")
         if fabric.device.type != "cuda" and (graphs := cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device)):
             fabric.print(f"CUDA graphs: {graphs}")  # on a GPU: known after a step
         run.start()  # resume from the newest good checkpoint, or start

@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+from core.lenet import whole_step
 from core.run.checkpoints import RECORD
 from core.run.files import write_json_atomic
 from lab.stages import GPU_CHECK, cuda_devices, last_line, run_logged
@@ -119,6 +120,11 @@ TINY_ADAMW = ["fabric_gpt.py", "--model", "tiny", "--n-embd", "128", "--n-layer"
               "--num-samples", "48", "--warmup-steps", "1", "--lr", "1e-2", "--accelerator", "cuda",
               "--micro-batch-size", "4"]
 GELU_DTYPES = ["--dtypes", "float32", "bfloat16", "float16"]
+# the short recipe with its whole step as one CUDA graph, evaluated every 50 steps (an evaluation costs more than 50
+# graphed steps): issue 69's 99.0% within 1.0 s
+LENET_ONE_SECOND = ["--epochs", "2", "--no-augment", "--batch-size", "192", "--lr", "8e-3", "--eval-every", "50",
+                    "--cuda-graph"]
+LENET_SHORT_32 = ["--epochs", "2", "--train-samples", "2200", "--precision", "32-true"]  # 2 x (4 x 512 + 152)
 
 
 def lenet(*flags) -> list:
@@ -178,6 +184,38 @@ def lenet_graphed(out: Path, run: str):
     return (r["test_acc"] >= 0.97 and r["cuda_graphs"] == "captured and replayed",
             f"CUDA graphs {r['cuda_graphs']}, no host sync in a step, test acc {100 * r['test_acc']:.2f}% after 1 "
             f"epoch, {r['samples_per_s']:,.0f} samples/s")
+
+
+def lenet_whole_graph(out: Path, run: str):
+    """The default recipe with its whole step as one CUDA graph: captured, 1,000,000 samples/s after its first epoch
+    (issue 69's goal; the first holds the warm-up and the capture), the recipe's accuracy kept."""
+    r = record(out, run)
+    steady = r["samples_per_s_steady"] or 0.0
+    return (r["cuda_graphs"] == whole_step.CAPTURED and steady >= 1e6 and r["test_acc"] >= 0.992,
+            f"{steady:,.0f} samples/s after the first epoch (goal 1,000,000; {r['samples_per_s']:,.0f} with it), "
+            f"test acc {100 * r['test_acc']:.2f}% after {r['epochs']} epochs, {r['train_time_s']:.2f} s of steps; "
+            f"{r['cuda_graphs']}")
+
+
+def lenet_one_second(out: Path, run: str):
+    """The GPU's short recipe: 99.0% within 1.0 s of wall time from the first step, the warm-up, the capture and the
+    evaluations included."""
+    r = record(out, run)
+    hit = r["time_to_accuracy"]["99.0%"]
+    if not hit:
+        return False, f"99.0% not reached: {100 * r['test_acc']:.2f}% after {r['epochs']} epochs; {r['cuda_graphs']}"
+    return (hit["wall_s"] <= 1.0 and r["cuda_graphs"] == whole_step.CAPTURED,
+            f"99.0% after {hit['wall_s']:.2f} s wall from the first step (goal 1.0 s; capture and evaluations "
+            f"included, {hit['train_time_s']:.2f} s of it steps), step {hit['step']}; {r['cuda_graphs']}")
+
+
+def lenet_graph_is_eager(out: Path, run: str, eager: str):
+    """The captured step against the eager one on the GPU, float32: the same test loss to float32 reordering (the short
+    batch runs padded in the graph: other kernels, other sums)."""
+    r, e = record(out, run), record(out, eager)
+    ratio = r["test_loss"] / e["test_loss"]
+    return (abs(ratio - 1) <= 1e-3 and r["cuda_graphs"] == whole_step.CAPTURED,
+            f"test loss {r['test_loss']:.5f} captured vs {e['test_loss']:.5f} eager ({ratio:.5f}x); {r['cuda_graphs']}")
 
 
 def lenet_bf16_on_dp(out: Path, run: str):
@@ -259,6 +297,13 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
               profiled),
         Check("lenet-graphs", "LeNet-5 compiled, CUDA graphs", [("lenet-graphs", lenet(
             "--compile", "--compile-mode", "reduce-overhead", "--sync-check"))], lenet_graphed, ("lenet-graphs",)),
+        Check("lenet-whole-graph", "LeNet-5 whole step, one CUDA graph", [("lenet-whole-graph", lenet(
+            "--cuda-graph", "--sync-check", "--epochs", "16"))], lenet_whole_graph, ("lenet-whole-graph",)),
+        Check("lenet-one-second", "LeNet-5 to 99.0% in 1 s, one CUDA graph", [("lenet-one-second", lenet(
+            *LENET_ONE_SECOND))], lenet_one_second, ("lenet-one-second",)),
+        Check("lenet-graph-eager", "LeNet-5 whole-step graph vs eager, float32", [
+            ("lenet-eager-32", lenet(*LENET_SHORT_32)), ("lenet-graph-32", lenet(*LENET_SHORT_32, "--cuda-graph"))],
+              lenet_graph_is_eager, ("lenet-graph-32", "lenet-eager-32")),
         Check("gelu", "C++ GELU on CUDA tensors", [("gelu", ["-m", "gelu_ext", command, "--device", "cuda",
                                                              *GELU_DTYPES]) for command in ("check", "bench")],
               gelu_matches, ("gelu",)),

@@ -325,3 +325,31 @@ def test_the_step_profile_splits_a_step_into_kinds_that_add_up(tmp_path):
     assert sum(r["shares"].values()) == pytest.approx(1, abs=0.02) and r["seconds"]["idle"] >= 0
     assert r["shares"]["matmul"] > 0 and r["shares"]["optimizer"] > 0 and r["micro_batch"] == 4
     assert "| matmul |" in (tmp_path / "profile.md").read_text() and "| matmul |" in result.stdout
+
+
+def test_the_lenet_graph_rows_pass_a_captured_graph_at_the_goals_only(tmp_path):
+    """Rows lenet-whole-graph (1,000,000 samples/s after the first epoch, 99.2%), lenet-one-second (99.0% within 1.0 s
+    of wall time, capture and evaluations included) and lenet-graph-eager (the eager test loss within 0.1%): each fails
+    a run whose step was not captured (as on a CPU) or that misses its goal."""
+    from core.lenet import whole_step
+
+    def verdict(check, changes: dict, *args):
+        rec = {"cuda_graphs": whole_step.CAPTURED, "samples_per_s_steady": 1.2e6, "samples_per_s": 9e5,
+               "test_acc": 0.9941, "epochs": 16, "train_time_s": 1.1, "test_loss": 0.5000,
+               "time_to_accuracy": {"99.0%": {"wall_s": 0.8, "train_time_s": 0.2, "step": 400}}, **changes}
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / "record.json").write_text(json.dumps(rec))
+        return check(tmp_path, "run", *args)
+
+    uncaptured = {"cuda_graphs": "not captured: CUDA graphs record CUDA kernels and this run is on cpu"}
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "eager" / "record.json").write_text(json.dumps({"test_loss": 0.5002}))
+    for check, args, missed in (
+            (gpu_check.lenet_whole_graph, (), {"samples_per_s_steady": 9.9e5}),
+            (gpu_check.lenet_one_second, (), {"time_to_accuracy": {"99.0%": {"wall_s": 1.01, "train_time_s": 0.2,
+                                                                             "step": 400}}}),
+            (gpu_check.lenet_graph_is_eager, ("eager",), {"test_loss": 0.5010})):
+        assert verdict(check, {}, *args)[0], verdict(check, {}, *args)
+        assert not verdict(check, missed, *args)[0] and not verdict(check, uncaptured, *args)[0]
+    assert "99.0% not reached" in verdict(gpu_check.lenet_one_second, {"time_to_accuracy": {"99.0%": None}})[1]
+    assert "1,200,000 samples/s after the first epoch" in verdict(gpu_check.lenet_whole_graph, {})[1]

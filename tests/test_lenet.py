@@ -196,6 +196,10 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--num-workers", "2"], "--data loader only"),
     (["--compile-mode", "reduce-overhead"], "add --compile"),
     (["--sync-check", "--accelerator", "cpu"], "needs a GPU"),
+    (["--cuda-graph", "--data", "loader"], "use --data memory"),
+    (["--cuda-graph", "--optimizer", "sgd"], "use adamw"),
+    (["--cuda-graph", "--compile"], "--compile-mode reduce-overhead"),
+    (["--cuda-graph", "--devices", "2", "--strategy", "ddp"], "one device's step"),
 ])
 def test_impossible_flags_are_refused_before_training(tmp_path, monkeypatch, args, words):
     monkeypatch.setattr(fabric_lenet, "find_run", lambda *a: pytest.fail("training started"))
@@ -396,8 +400,8 @@ def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, mode):
 def test_time_to_accuracy_is_the_first_evaluation_at_the_target():
     history = [{"step": 10, "train_time_s": 1.0, "test_acc": 0.985}, {"step": 20, "train_time_s": 2.0, "test_acc": 0.9905},
                {"step": 30, "train_time_s": 3.0, "test_acc": 0.9899}, {"step": 40, "train_time_s": 4.0, "test_acc": 0.992}]
-    assert lenet_figures.time_to_accuracy(history) == {"99.0%": {"train_time_s": 2.0, "step": 20},
-                                                       "99.2%": {"train_time_s": 4.0, "step": 40}}
+    assert lenet_figures.time_to_accuracy(history) == {"99.0%": {"train_time_s": 2.0, "step": 20, "wall_s": None},
+                                                       "99.2%": {"train_time_s": 4.0, "step": 40, "wall_s": None}}
     assert lenet_figures.time_to_accuracy(history[:3])["99.2%"] is None
 
 
@@ -407,3 +411,64 @@ def test_steady_speed_leaves_out_each_start_s_first_epoch():
     assert lenet_figures.steady_speed(history, first_epoch_here=0) == 30.0  # median of epochs 2-4
     assert lenet_figures.steady_speed(history, first_epoch_here=2) == 20.0  # resumed after epoch 2: epoch 3 starts up
     assert lenet_figures.steady_speed(history[:2], first_epoch_here=0) is None
+
+
+# ----------------------------------------------------------------------------- the whole step (--cuda-graph)
+def lenet_steps(mnist_dir, whole: bool, n: int = 1100, epochs: int = 2) -> tuple[list, list]:
+    """Two epochs of the first n real training images at batch 512 (two full batches and a short one of 76 each
+    epoch), augmented, through the eager step or the whole step: each step's loss and the weights after."""
+    from lightning.fabric import Fabric
+
+    import datasets_local
+    from core.lenet import whole_step
+
+    cfg = Config(accelerator="cpu", precision="32-true", train_samples=n, epochs=epochs, data_dir=str(mnist_dir))
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric.seed_everything(0)
+    train_set, _ = fabric_lenet.load_data(cfg)
+    model, _ = fabric_lenet.make_model(cfg)
+    epoch_steps = fabric_lenet.steps_per_epoch(n, cfg, 1)
+    optimizer, scheduler = fabric_lenet.make_optimizer(cfg, model, epochs * epoch_steps)
+    model, optimizer = fabric.setup(model, optimizer)
+    x, y = train_set.tensors()
+    augment = (datasets_local.shift_offsets, datasets_local.shift)
+    step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, (x, y), 512, epoch_steps, augment) if whole else None
+    losses, global_step = [], 0
+    for epoch in range(epochs):
+        order = epoch_order(n, epoch, cfg, 0, 1)
+        if whole:
+            for _ in step.epoch(order, 0, global_step):
+                losses.append(float(step()))
+                global_step += 1
+            continue
+        for _, (xb, yb) in fabric_lenet.train_batches(train_set, order, 0, cfg, 512, (x, y)):
+            losses.append(float(fabric_lenet.train_step(fabric, model, optimizer, scheduler, xb, yb, cfg, global_step)))
+            global_step += 1
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_whole_step_gives_the_eager_steps_losses_across_short_batches(mnist_dir):
+    """--cuda-graph's static program (on a GPU captured as one CUDA graph; here uncaptured) against the eager step,
+    per step: the same samples (the short last batch padded with samples of weight zero), the same shifts, the same
+    OneCycleLR learning rate and cycled beta1 (read by AdamW from device scalars), to float32 reordering."""
+    eager, eager_weights = lenet_steps(mnist_dir, whole=False)
+    whole, whole_weights = lenet_steps(mnist_dir, whole=True)
+    assert len(whole) == len(eager) == 6
+    assert whole == pytest.approx(eager, rel=2e-5), (whole, eager)
+    assert eager[-1] < eager[0]  # it learns: the comparison is not between two runs that do nothing
+    for got, want in zip(whole_weights, eager_weights):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_whole_step_run_stopped_mid_epoch_resumes_to_the_uninterrupted_loss(mnist_dir, tmp_path):
+    """The epoch's tables are loaded from the step a resumed run starts at (its shifts from that step's seeds, its
+    position on the device): stopped after 4 steps, in its second epoch, and resumed, it ends at the uninterrupted
+    run's test loss; the record says the step was not captured, and why."""
+    common = ["--cuda-graph", "--epochs", "2", "--train-samples", "1100", "--precision", "32-true", "--no-tb-images",
+              "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    run_in_process("fabric_lenet.py", *common, "--run-name", "whole")
+    run_in_process("fabric_lenet.py", *common, "--run-name", "cut", "--max-steps", "4")
+    run_in_process("fabric_lenet.py", *common, "--run-name", "cut", "--resume", "auto")
+    whole, cut = read_summary(tmp_path / "whole"), read_summary(tmp_path / "cut")
+    assert cut["steps"] == whole["steps"] == 6 and cut["test_loss"] == whole["test_loss"], (cut, whole)
+    assert whole["cuda_graphs"].startswith("not captured: CUDA graphs record CUDA kernels and this run is on cpu")

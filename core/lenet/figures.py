@@ -49,11 +49,13 @@ def steady_speed(history: list[dict], first_epoch_here: int) -> float | None:
 
 def time_to_accuracy(history: list[dict]) -> dict:
     """The training time and step at which each target test accuracy was first measured: as fine as the
-    evaluation points (--eval-every, else epoch ends), so an upper bound; None where it was never reached."""
+    evaluation points (--eval-every, else epoch ends), so an upper bound; None where it was never reached. wall_s:
+    the seconds from this process's first step to that evaluation's end, evaluations and saves included."""
     reached = {}
     for target in TARGETS:
         first = next((h for h in history if h["test_acc"] >= target), None)
-        reached[f"{100 * target:.1f}%"] = first and {"train_time_s": first["train_time_s"], "step": first["step"]}
+        reached[f"{100 * target:.1f}%"] = first and {"train_time_s": first["train_time_s"], "step": first["step"],
+                                                     "wall_s": first.get("wall_s")}
     return reached
 
 
@@ -71,9 +73,12 @@ def print_summary(fabric, summary: dict) -> None:
                  + (f", steady {summary['samples_per_s_steady']:,.0f} after the first epoch"
                     if summary["samples_per_s_steady"] else "") + "); "
                  f"run folder {summary['run_dir']}")
-    reached = [f"{target} after {r['train_time_s']:.2f} s (step {r['step']})" if r else f"{target} not reached"
-               for target, r in summary["time_to_accuracy"].items()]
-    fabric.print(f"time to test accuracy: {', '.join(reached)}; measured at evaluation points (--eval-every)")
+    reached = [f"{target} after {r['train_time_s']:.2f} s" + (f" ({r['wall_s']:.2f} s wall)" if r.get("wall_s") else "")
+               + f" (step {r['step']})" if r else f"{target} not reached" for target, r in summary["time_to_accuracy"].items()]
+    fabric.print(f"time to test accuracy: {', '.join(reached)}; measured at evaluation points (--eval-every); wall: from "
+                 "the first step, evaluations and saves included")
+    if summary.get("compiled_graphs") is None and summary["cuda_graphs"]:  # --cuda-graph
+        fabric.print(f"CUDA graph: {summary['cuda_graphs']}")
     if summary.get("compiled_graphs"):
         graphs = f"; CUDA graphs {summary['cuda_graphs']}" if summary["cuda_graphs"] else ""
         fabric.print(f"torch.compile: {count(summary['compiled_graphs'], 'graph')} (one per batch shape and mode){graphs}")
@@ -88,7 +93,7 @@ def summarize(fabric, cfg, result: dict, progress, n_train: int, first_epoch_her
             "epochs": progress.epoch + (1 if progress.step_in_epoch else 0), "steps": progress.global_step,
             "train_time_s": progress.train_time_s, "samples_per_s": samples / max(progress.train_time_s, 1e-9),
             "world_size": fabric.world_size, "device": str(fabric.device), "precision_probe": probe,
-            "compute_dtype": compute["dtype"], "cuda_graphs": cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device),
+            "compute_dtype": compute["dtype"], "cuda_graphs": result.get("cuda_graph") or cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device),
             "compiled_graphs": compiled_graphs() if cfg.compile else None,
             "time_to_accuracy": time_to_accuracy(progress.history),
             "samples_per_s_steady": steady_speed(progress.history, first_epoch_here),

@@ -21,14 +21,18 @@ class StepTimer:
     stream before and after the step and the pairs are read at the next check point, after one synchronisation
     (timing a step by synchronising around it would empty the launch queue every step); on a CPU the clock.
     `collect()` returns [(seconds, timed)] of the steps since the last call, in order (timed: stop()'s flag, whether
-    the step counts in the timing figures)."""
+    the step counts in the timing figures); `wall()` the seconds since the first step began, check points included."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pending: list = []
-        self.begun = None
+        self.begun = self.first = None
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.first if self.first else 0.0
 
     def start(self) -> None:
+        self.first = self.first or time.perf_counter()
         self.begun = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
         if self.cuda:
             self.begun.record()

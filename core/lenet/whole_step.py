@@ -1,0 +1,156 @@
+"""LeNet-5's training step as one static-shape program (`--cuda-graph`): the batch gathered on the device from the
+in-memory split by the epoch's indices, its shifts, forward, loss, backward and AdamW, with no host work inside and no
+shape that changes, so that on a GPU it is captured once as a CUDA graph and each step is one replay instead of ~60
+kernel launches. The eager step (fabric_lenet.train_step) is its reference and it keeps that step's arithmetic:
+- the same samples: the epoch's order (fabric_lenet.epoch_order) as a table of full batches, the short last batch
+  padded with samples of weight zero (one graph for every step; the loss is the mean over the real samples);
+- the same shifts: drawn for the whole epoch ahead, per step from the seeds the eager step uses;
+- the same schedule: torch's scheduler steps on the host as before, and its learning rate and AdamW's beta1 (which
+  OneCycleLR cycles) are written into two device scalars that the captured AdamW reads (capturable, foreach).
+On a CPU the same program runs uncaptured: what the tests compare with the eager step."""
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+CAPTURED = "the whole step captured as one CUDA graph and replayed"
+WARM_UP = 3  # eager steps before the capture (PyTorch's whole-network example): lazy set-up stays out of the graph
+
+
+class WholeStep:
+    """Call it once per optimizer step; `epoch()` first loads an epoch's tables. Returns the step's loss (a device
+    tensor of its own, not yet read). `augment`: the shifts' draw and their application, (draw(n, generator),
+    apply(images, rows, columns)), datasets_local's (the data layer sits above this one); None: no shifts."""
+
+    def __init__(self, fabric, cfg, model, optimizer, scheduler, train_tensors, local_batch: int, epoch_steps: int,
+                 augment=None):
+        self.fabric, self.cfg, self.model, self.optimizer, self.scheduler = fabric, cfg, model, optimizer, scheduler
+        self.augment = augment
+        self.x, self.y = train_tensors
+        device = fabric.device
+        self.captures = device.type == "cuda"
+        self.at = torch.zeros(1, dtype=torch.long, device=device)  # the step within the epoch: the step advances it
+        shape = (epoch_steps, local_batch)
+        self.indices = torch.zeros(shape, dtype=torch.long, device=device)
+        self.weights = torch.zeros(shape, device=device)  # 1: a sample of the batch, 0: padding of a short batch
+        self.counts = torch.ones(epoch_steps, device=device)  # the samples of each step, the loss's divisor
+        self.offsets = torch.full((epoch_steps, 2, local_batch), 2, dtype=torch.long, device=device)  # shifts
+        self.lr, self.beta1 = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.graph, self.graph_loss, self.steps_run = None, None, 0
+        capturable(optimizer, self.captures)
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def described(self) -> str:
+        if self.graph is not None:
+            return CAPTURED
+        if not self.captures:
+            return (f"not captured: CUDA graphs record CUDA kernels and this run is on {self.x.device.type}; the same "
+                    "static step ran uncaptured")
+        return f"not captured: {self.steps_run} step(s) ran, the {WARM_UP} eager ones before the capture"
+
+    def epoch(self, order: torch.Tensor, start: int, first_step: int):
+        """Load an epoch's tables (`order`: this rank's indices for it; `first_step`: the global step of its step 0)
+        and yield, per step from `start` on, (samples, None): what the training loop counts; the data is here."""
+        steps, batch = self.indices.shape
+        counts = [min(batch, len(order) - s * batch) for s in range(steps)]
+        padded = torch.zeros(steps * batch, dtype=torch.long)
+        padded[:len(order)] = order
+        self.indices.copy_(padded.view(steps, batch))
+        self.weights.copy_((torch.arange(steps * batch) < len(order)).float().view(steps, batch))
+        self.counts.copy_(torch.tensor(counts, dtype=torch.float32))
+        if self.augment:
+            for s in range(start, steps):  # the eager step's draw, per step from its seed
+                self.offsets[s, :, :counts[s]] = self.augment[0](counts[s], torch.Generator(self.x.device).manual_seed(
+                    shift_seed(self.cfg, first_step + s, self.fabric)))
+        self.at.fill_(start)
+        for s in range(start, steps):
+            yield counts[s], None
+
+    def __call__(self) -> torch.Tensor:
+        group = self.optimizer.param_groups[0]  # the scheduler's values for this step, into the graph's scalars
+        self.lr.fill_(group["lr"])
+        self.beta1.fill_(group["betas"][0])
+        loss = self.step()
+        self.scheduler.step()  # on the host, as in the eager step
+        return loss
+
+    def step(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_loss.clone()
+        if not self.captures:
+            return self.eager()
+        if self.steps_run < WARM_UP:
+            return self.on_side_stream(self.eager)
+        self.optimizer.zero_grad(set_to_none=True)  # the backward in the graph allocates the gradients from its pool
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.graph_loss = self.program()
+        self.graph.replay()  # a capture records the step; this runs it
+        return self.graph_loss.clone()
+
+    def eager(self) -> torch.Tensor:
+        loss = self.program()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_run += 1
+        return loss
+
+    def on_side_stream(self, step):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
+            loss = step()
+        torch.cuda.current_stream().wait_stream(stream)
+        return loss
+
+    def program(self) -> torch.Tensor:
+        """One step, every shape fixed and every index read on the device."""
+        cfg, at = self.cfg, self.at
+        idx = self.indices.index_select(0, at).view(-1)
+        xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
+        if cfg.channels_last:
+            xb = xb.contiguous(memory_format=torch.channels_last)
+        if self.augment:
+            oy, ox = self.offsets.index_select(0, at).view(2, -1)
+            xb = self.augment[1](xb, oy, ox)
+        per_sample = F.cross_entropy(self.model(xb), yb, label_smoothing=cfg.label_smoothing, reduction="none")
+        weights = self.weights.index_select(0, at).view(-1)
+        loss = (per_sample * weights).sum() / self.counts.index_select(0, at).view(())
+        self.fabric.backward(loss)
+        with tensor_hyperparameters(self.optimizer, self.lr, self.beta1):
+            self.optimizer.step()
+        at.add_(1)
+        return loss.detach()
+
+
+def shift_seed(cfg, step: int, fabric) -> int:
+    """The seed of a step's shifts: one per step and rank (fabric_lenet.train_step draws with it)."""
+    return cfg.seed * 1_000_003 + step * fabric.world_size + fabric.global_rank
+
+
+def capturable(optimizer, on_gpu: bool) -> None:
+    """AdamW as a graph can hold it: states and step counts on the device, one foreach kernel set (fused AdamW reads its
+    betas as host numbers). Set again on each group after a checkpoint's groups replaced them; on a CPU plain
+    single-tensor AdamW, the one that takes its learning rate as a tensor there."""
+    for group in optimizer.param_groups:
+        group.update(capturable=on_gpu, foreach=on_gpu, fused=False)
+
+
+@contextlib.contextmanager
+def tensor_hyperparameters(optimizer, lr: torch.Tensor, beta1: torch.Tensor):
+    """AdamW reads its learning rate and beta1 from these device scalars for one step (the graph keeps reading them);
+    the groups keep the scheduler's numbers otherwise, so a checkpoint is the eager step's."""
+    saved = [(g["lr"], g["betas"]) for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"], g["betas"] = lr, (beta1, g["betas"][1])
+    try:
+        yield
+    finally:
+        for g, (lr_, betas) in zip(optimizer.param_groups, saved):
+            g["lr"], g["betas"] = lr_, betas
