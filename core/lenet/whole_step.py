@@ -41,10 +41,6 @@ class WholeStep:
         self.graph, self.graph_loss, self.steps_run = None, None, 0
         capturable(optimizer, self.captures)
 
-    @property
-    def captured(self) -> bool:
-        return self.graph is not None
-
     def described(self) -> str:
         if self.graph is not None:
             return CAPTURED
