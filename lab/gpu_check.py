@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.lenet import whole_step
+from core.plan import gpt_figures
 from core.run.checkpoints import RECORD
 from core.run.files import write_json_atomic
 from lab.stages import GPU_CHECK, cuda_devices, last_line, run_logged
@@ -266,7 +267,7 @@ def big_model_verdict(r: dict) -> tuple[bool, str]:
     setup = r.get("memory_setup", {}).get("max_allocated_gb")
     predicted = r.get("predicted")
     step = (f"step {1e3 * r['step_time_s']:.0f} ms vs predicted {1e3 * predicted['step_time_s']:.0f} ms "
-            f"({predicted['cluster']}, from {predicted.get('source') or 'efficiency ' + str(predicted['efficiency'])}), "
+            f"({predicted['cluster']}, from {gpt_figures.prediction_source(predicted)}), "
             if predicted else "")
     return (not math.isnan(r["final_loss"]) and mem <= 1.25 * r["planned_gb"], step +
             f"{r['tokens_per_s']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOPS (6N+attn) / "

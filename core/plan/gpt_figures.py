@@ -188,5 +188,10 @@ def print_summary(fabric, r: dict) -> None:
                     f"{r['val_losses'][-1][0]}; {r['text']['tokenizer']} tokenizer, {r['text']['tokenizer_vocab']} tokens)"
                     if r.get("val_losses") else "")
                  + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} from "
-                    f"{r['predicted'].get('source') or 'efficiency ' + str(r['predicted']['efficiency'])} (perf_model.py)"
+                    f"{prediction_source(r['predicted'])} (perf_model.py)"
                     if r.get("predicted") else ""))
+
+
+def prediction_source(predicted: dict) -> str:
+    """What a record's predicted step came from; records written before "source" existed: the efficiency used."""
+    return predicted.get("source") or f"efficiency {predicted['efficiency']}"
