@@ -211,11 +211,12 @@ def lenet_one_second(out: Path, run: str):
 
 
 def lenet_graph_is_eager(out: Path, run: str, eager: str):
-    """The captured step against the eager one on the GPU, float32: the same test loss to float32 reordering (the short
-    batch runs padded in the graph: other kernels, other sums)."""
+    """The captured step against the eager one on the GPU, float32: the same test loss to rounding (the short batch
+    runs padded in the graph, so other kernels and sums; cuDNN convolves in TF32 by default), within 0.2%. A stale
+    learning rate or beta1, or one batch replayed, moves it by more."""
     r, e = record(out, run), record(out, eager)
     ratio = r["test_loss"] / e["test_loss"]
-    return (abs(ratio - 1) <= 1e-3 and r["cuda_graphs"] == whole_step.CAPTURED,
+    return (abs(ratio - 1) <= 2e-3 and r["cuda_graphs"] == whole_step.CAPTURED,
             f"test loss {r['test_loss']:.5f} captured vs {e['test_loss']:.5f} eager ({ratio:.5f}x); {r['cuda_graphs']}")
 
 

@@ -329,7 +329,7 @@ def test_the_step_profile_splits_a_step_into_kinds_that_add_up(tmp_path):
 
 def test_the_lenet_graph_rows_pass_a_captured_graph_at_the_goals_only(tmp_path):
     """Rows lenet-whole-graph (1,000,000 samples/s after the first epoch, 99.2%), lenet-one-second (99.0% within 1.0 s
-    of wall time, capture and evaluations included) and lenet-graph-eager (the eager test loss within 0.1%): each fails
+    of wall time, capture and evaluations included) and lenet-graph-eager (the eager test loss within 0.2%): each fails
     a run whose step was not captured (as on a CPU) or that misses its goal."""
     from core.lenet import whole_step
 
@@ -348,7 +348,7 @@ def test_the_lenet_graph_rows_pass_a_captured_graph_at_the_goals_only(tmp_path):
             (gpu_check.lenet_whole_graph, (), {"samples_per_s_steady": 9.9e5}),
             (gpu_check.lenet_one_second, (), {"time_to_accuracy": {"99.0%": {"wall_s": 1.01, "train_time_s": 0.2,
                                                                              "step": 400}}}),
-            (gpu_check.lenet_graph_is_eager, ("eager",), {"test_loss": 0.5010})):
+            (gpu_check.lenet_graph_is_eager, ("eager",), {"test_loss": 0.5015})):
         assert verdict(check, {}, *args)[0], verdict(check, {}, *args)
         assert not verdict(check, missed, *args)[0] and not verdict(check, uncaptured, *args)[0]
     assert "99.0% not reached" in verdict(gpu_check.lenet_one_second, {"time_to_accuracy": {"99.0%": None}})[1]
