@@ -4,6 +4,7 @@
     python fabric_lenet.py --devices 2 --strategy ddp        # 2 processes (gloo on CPU, NCCL on GPUs)
     python fabric_lenet.py --activation gelu_cpp             # the hand-written C++ GELU of gelu_ext/
     python fabric_lenet.py --resume auto                     # continue the newest interrupted run
+    python fabric_lenet.py --cuda-graph                      # on a GPU: the whole step as one CUDA graph
 
 Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json and record.json. Notes: docs/lenet.md.
 """
