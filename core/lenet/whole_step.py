@@ -37,7 +37,9 @@ class WholeStep:
         self.weights = torch.zeros(shape, device=device)  # 1: a sample of the batch, 0: padding of a short batch
         self.counts = torch.ones(epoch_steps, device=device)  # the samples of each step, the loss's divisor
         self.offsets = torch.full((epoch_steps, 2, local_batch), 2, dtype=torch.long, device=device)  # shifts
-        self.lr, self.beta1 = torch.zeros((), device=device), torch.zeros((), device=device)
+        # in the parameters' dtype: foreach AdamW applies beta1 to its moments as given (bf16-true's are bf16)
+        dtype = next(iter(model.parameters())).dtype
+        self.lr, self.beta1 = (torch.zeros((), device=device, dtype=dtype) for _ in range(2))
         self.graph, self.graph_loss, self.steps_run = None, None, 0
         capturable(optimizer, self.captures)
 
