@@ -291,14 +291,21 @@ class Check:
 
 
 def checks(gpus: int, memory_gib: float) -> list[Check]:
-    """In the order they run: the newest paths and the course's model first, so a short lease sees them."""
+    """In the order they run: the course's model (profile, run, levers, plan) and the newest paths first, so that a
+    short lease, or a check cut into two commands (docs/gpu.md), sees them."""
     single, nvme = ("gpt-single", tiny()), ("gpt-adamw", TINY_ADAMW)
     table = [
         Check("gpt-1.6b-profile", "GPT-2 1.6B step, profiled", [("gpt-1.6b-profile", [
             "-m", "lab.step_profile", "--model", "1.6b", "--precision", "bf16-mixed", "--accelerator", "cuda"])],
               profiled),
-        Check("lenet-graphs", "LeNet-5 compiled, CUDA graphs", [("lenet-graphs", lenet(
-            "--compile", "--compile-mode", "reduce-overhead", "--sync-check"))], lenet_graphed, ("lenet-graphs",)),
+        Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, bf16-mixed", [("gpt-1.6b", gpt_1_6b(memory_gib))],
+              lambda out: big_model_verdict(record(out, "gpt-1.6b")), drop_checkpoints=True),
+        # the levers together, one run (a lease's 8 minutes hold three 1.6B runs, not four): against the plain row
+        Check("gpt-1.6b-levers", "GPT-2 1.6B, compiled blocks, chunked loss, vocabulary 50,304", [("gpt-1.6b-levers", [
+            *gpt_1_6b(memory_gib), "--compile", "--chunked-loss", "--pad-vocab-to", "64"])],
+              lambda out: big_model_verdict(record(out, "gpt-1.6b-levers")), drop_checkpoints=True),
+        Check("gpt-1.6b-plan", "GPT-2 1.6B planned from this GPU", [("gpt-1.6b-plan", [
+            *gpt_1_6b(memory_gib), "--plan", "--plan-json", "{out}/gpt-1.6b-plan.json"])], planned_from_this_gpu),
         Check("lenet-whole-graph", "LeNet-5 whole step, one CUDA graph", [("lenet-whole-graph", lenet(
             "--cuda-graph", "--sync-check", "--epochs", "16"))], lenet_whole_graph, ("lenet-whole-graph",)),
         Check("lenet-one-second", "LeNet-5 to 99.0% in 1 s, one CUDA graph", [("lenet-one-second", lenet(
@@ -309,14 +316,8 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
         Check("gelu", "C++ GELU on CUDA tensors", [("gelu", ["-m", "gelu_ext", command, "--device", "cuda",
                                                              *GELU_DTYPES]) for command in ("check", "bench")],
               gelu_matches, ("gelu",)),
-        Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, bf16-mixed", [("gpt-1.6b", gpt_1_6b(memory_gib))],
-              lambda out: big_model_verdict(record(out, "gpt-1.6b")), drop_checkpoints=True),
-        # the levers together, one run (a lease's 8 minutes hold three 1.6B runs, not four): against the plain row
-        Check("gpt-1.6b-levers", "GPT-2 1.6B, compiled blocks, chunked loss, vocabulary 50,304", [("gpt-1.6b-levers", [
-            *gpt_1_6b(memory_gib), "--compile", "--chunked-loss", "--pad-vocab-to", "64"])],
-              lambda out: big_model_verdict(record(out, "gpt-1.6b-levers")), drop_checkpoints=True),
-        Check("gpt-1.6b-plan", "GPT-2 1.6B planned from this GPU", [("gpt-1.6b-plan", [
-            *gpt_1_6b(memory_gib), "--plan", "--plan-json", "{out}/gpt-1.6b-plan.json"])], planned_from_this_gpu),
+        Check("lenet-graphs", "LeNet-5 compiled, CUDA graphs", [("lenet-graphs", lenet(
+            "--compile", "--compile-mode", "reduce-overhead", "--sync-check"))], lenet_graphed, ("lenet-graphs",)),
         *(Check(f"lenet-{p}", f"LeNet-5 {p}", [(f"lenet-{p}", lenet("--precision", p))], lenet_trained, (f"lenet-{p}",))
           for p in ("32-true", "16-mixed", "bf16-mixed")),
         Check("lenet-dp", "LeNet-5 dp bf16-mixed, 2 GPUs", [("lenet-dp-bf16", lenet(
