@@ -1197,3 +1197,20 @@ def test_fsdp_with_the_chunked_loss_equals_one_process(single, tmp_path):
     run_gpt(tmp_path, "chunked", "--strategy", "fsdp", "--devices", "2", *TWO_PROCESS["fsdp"], "--chunked-loss",
             base=EXACT)
     assert losses(tmp_path, "chunked") == pytest.approx(losses(*single), rel=1e-4)
+
+
+def test_the_summary_of_a_run_with_no_loss_logged_says_so(tmp_path, capsys):
+    """A run resumed from a checkpoint taken before its first log point, with --steps at or below that step, trains
+    nothing and has no loss to show (CI met it: a killed run's checkpoint at step 40, --log-every 50, --steps 30): its
+    summary says so instead of ending in a TypeError, and the start line says that no step is left."""
+    run_gpt(tmp_path, "r", "--steps", "2")
+    rec = record(tmp_path, "r")
+    rec.update(losses=[], first_loss=None, final_loss=None)
+    gpt_figures.print_summary(gpt.Fabric(accelerator="cpu", devices=1), rec)
+    assert "none logged (no log point among the steps trained)" in capsys.readouterr().out
+    fabric = gpt.Fabric(accelerator="cpu", devices=1)
+    cfg = gpt.parse_args([*SMALL, "--steps", "2", "--out-dir", str(tmp_path)])
+    run = type("R", (), {"fabric": fabric, "cfg": cfg, "state": {"progress": gpt.Progress(step=4, schedule_steps=12)}})()
+    n_params, attn = gpt.count_parameters(run.cfg)
+    gpt.announce(run, n_params, (1e12, "probe"), attn, gpt.disk_plan(run.cfg))
+    assert "no step left: the run is at step 4 and this command ends it at 2" in capsys.readouterr().out

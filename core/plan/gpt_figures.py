@@ -183,7 +183,8 @@ def print_summary(fabric, r: dict) -> None:
                     f"{r['tflops_per_device_8n']:.3f} (course, 8N)\n"
                     f"{'MFU':<22}{mfu}\n" if timed else f"{'step time':<22}{not_timed}\n")
                  + f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
-                 f"{'loss first / last':<22}{r['first_loss']:.4f} / {r['final_loss']:.4f}"
+                 f"{'loss first / last':<22}" + (f"{r['first_loss']:.4f} / {r['final_loss']:.4f}" if r["losses"] else
+                                                  "none logged (no log point among the steps trained)")
                  + (f"\n{'val loss first / last':<22}{r['val_losses'][0][1]:.4f} / {r['val_loss']:.4f} (step "
                     f"{r['val_losses'][-1][0]}; {r['text']['tokenizer']} tokenizer, {r['text']['tokenizer_vocab']} tokens)"
                     if r.get("val_losses") else "")
