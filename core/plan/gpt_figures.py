@@ -81,7 +81,7 @@ def measured(fabric, cfg, timing: dict, n_params: int, plan: dict, progress, pea
         "world_size": fabric.world_size, "tp_size": lay.tp_size, "pp_size": lay.pp_size,
         "data_parallel_size": lay.dp_size, "device": str(fabric.device.type),
         "device_name": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else cpu_name(),
-        "steps": progress.step, "timed_steps": steps, "step_time_s": step_time,
+        "steps": progress.step, "steps_here": timing["steps_here"], "timed_steps": steps, "step_time_s": step_time,
         "train_time_s": progress.train_time_s, "tokens_per_s": tokens_s,
         "samples_per_s": samples_s, "timing_warmup": cfg.timing_warmup,
         "tflops_per_device": per_device(flops["standard"]), "tflops_per_device_8n": per_device(flops["course_8n"]),
@@ -171,8 +171,9 @@ def print_summary(fabric, r: dict) -> None:
     mfu = f"{100 * r['mfu']:.2f}% of {r['peak_flops'] / 1e12:.2f} TFLOPS ({r['peak_flops_source']})" if r["mfu"] is not None \
         else f"unknown ({r['peak_flops_source']})"
     timed = r["timed_steps"] > 0
-    not_timed = (f"not timed: {r['steps']} steps here, all of them warm-up (--timing-warmup {r['timing_warmup']}); "
-                 f"run more steps or lower --timing-warmup")
+    here = r.get("steps_here", r["steps"])  # records written before it existed: the run's steps
+    not_timed = ("not timed: no step trained in this process" if not here else f"not timed: {here} steps here, all of "
+                 f"them warm-up (--timing-warmup {r['timing_warmup']}); run more steps or lower --timing-warmup")
     fabric.print(f"\n{'model':<22}{r['model']} ({r['n_params'] / 1e6:,.2f}M parameters)\n"
                  f"{'strategy / precision':<22}{r['strategy']} / {r['precision']} on {r['world_size']} x {r['device_name']}"
                  f" (dp {r['data_parallel_size']}, tp {r['tp_size']}, pp {r['pp_size']})\n"
