@@ -213,9 +213,8 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
             timer.start()
             t_fetch = time.perf_counter()
         fold_losses(run, losses, timer)  # the epoch's last steps
-        speed = {"epoch_time_s": progress.train_time_s - epoch_start_time, "seen": seen, "data_wait": data_wait,
-                 "wall": timer.wall}
-        result = end_epoch(run, model, test_tensors, epoch, speed, epoch_steps)
+        speed = {"epoch_time_s": progress.train_time_s - epoch_start_time, "seen": seen, "data_wait": data_wait}
+        result = end_epoch(run, model, test_tensors, epoch, speed, epoch_steps, timer)
         more = progress.epoch < cfg.epochs and not reached_max_steps(progress, cfg)
         if more and run.stop.requested(fabric)[0]:  # a signal during the epoch's evaluation or save: stop there
             raise run.stopped()
@@ -263,9 +262,10 @@ def fold_losses(run: Run, losses: LossWatch, timer: StepTimer) -> float:
     return read[-1].loss if read else math.nan
 
 
-def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_steps: int) -> dict:
+def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_steps: int, timer: StepTimer) -> dict:
     """Evaluate, print and log the epoch, and checkpoint it (a finished epoch moves the counters to the next). `speed`:
-    this process's training time in the epoch, the samples all ranks saw in it, and its wait for data."""
+    this process's training time in the epoch, the samples all ranks saw in it, and its wait for data; `timer`'s wall
+    clock dates the record, the evaluation included."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
     seconds = speed["epoch_time_s"]
     result = evaluate(fabric, model, test_tensors)
@@ -273,7 +273,7 @@ def end_epoch(run: Run, model, test_tensors, epoch: int, speed: dict, epoch_step
               "train_loss": progress.loss_sum / max(progress.loss_count, 1), "epoch_time_s": seconds,
               "samples_per_s": speed["seen"] / seconds if seconds else 0.0,
               "data_wait_share": speed["data_wait"] / seconds if seconds else 0.0,
-              "train_time_s": progress.train_time_s, "wall_s": speed["wall"](),
+              "train_time_s": progress.train_time_s, "wall_s": timer.wall(),
               **{k: result[k] for k in ("test_loss", "test_acc")}}
     progress.history.append(record)
     figures.print_epoch(fabric, record, cfg.epochs)

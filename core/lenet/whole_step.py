@@ -32,10 +32,11 @@ class WholeStep:
         device = fabric.device
         self.captures = device.type == "cuda"
         self.at = torch.zeros(1, dtype=torch.long, device=device)  # the step within the epoch: the step advances it
-        shape = (epoch_steps, local_batch)
-        self.indices = torch.zeros(shape, dtype=torch.long, device=device)
-        self.weights = torch.zeros(shape, device=device)  # 1: a sample of the batch, 0: padding of a short batch
-        self.counts = torch.ones(epoch_steps, device=device)  # the samples of each step, the loss's divisor
+        # one device: every epoch is the whole split, so each step's count of samples is the same every epoch
+        self.step_samples = [min(local_batch, len(self.x) - s * local_batch) for s in range(epoch_steps)]
+        self.indices = torch.zeros((epoch_steps, local_batch), dtype=torch.long, device=device)  # loaded per epoch
+        self.weights = (torch.arange(local_batch) < torch.tensor(self.step_samples)[:, None]).float().to(device)
+        self.counts = torch.tensor(self.step_samples, dtype=torch.float32, device=device)  # the loss's divisors
         self.offsets = torch.full((epoch_steps, 2, local_batch), 2, dtype=torch.long, device=device)  # shifts
         # in the parameters' dtype: foreach AdamW applies beta1 to its moments as given (bf16-true's are bf16)
         dtype = next(iter(model.parameters())).dtype
@@ -55,12 +56,10 @@ class WholeStep:
         """Load an epoch's tables (`order`: this rank's indices for it; `first_step`: the global step of its step 0)
         and yield, per step from `start` on, (samples, None): what the training loop counts; the data is here."""
         steps, batch = self.indices.shape
-        counts = [min(batch, len(order) - s * batch) for s in range(steps)]
+        counts = self.step_samples
         padded = torch.zeros(steps * batch, dtype=torch.long)
         padded[:len(order)] = order
         self.indices.copy_(padded.view(steps, batch))
-        self.weights.copy_((torch.arange(steps * batch) < len(order)).float().view(steps, batch))
-        self.counts.copy_(torch.tensor(counts, dtype=torch.float32))
         if self.augment:
             for s in range(start, steps):  # the eager step's draw, per step from its seed
                 self.offsets[s, :, :counts[s]] = self.augment[0](counts[s], torch.Generator(self.x.device).manual_seed(
