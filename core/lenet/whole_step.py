@@ -6,14 +6,17 @@ kernel launches. The eager step (fabric_lenet.train_step) is its reference and i
   padded with samples of weight zero (one graph for every step; the loss is the mean over the real samples);
 - the same shifts: drawn for the whole epoch ahead, per step from the seeds the eager step uses;
 - the same schedule: torch's scheduler steps on the host as before, and its learning rate and AdamW's beta1 (which
-  OneCycleLR cycles) are written into two device scalars that the captured AdamW reads (capturable, foreach).
-On a CPU the same program runs uncaptured: what the tests compare with the eager step."""
+  OneCycleLR cycles) are written into two device scalars that the captured AdamW reads (graph_adamw.py: torch's
+  capturable AdamW reads a tensor beta1 to the host, which a capture refuses).
+On a CPU the same program runs uncaptured: what the tests compare with the eager step. tests/test_capture.py runs it
+on fake CUDA tensors, where any read of a device value to the host fails with the line that read it."""
 
-import contextlib
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from core.lenet import graph_adamw
 
 CAPTURED = "the whole step captured as one CUDA graph and replayed"
 WARM_UP = 3  # eager steps before the capture (PyTorch's whole-network example): lazy set-up stays out of the graph
@@ -38,11 +41,8 @@ class WholeStep:
         self.weights = (torch.arange(local_batch) < torch.tensor(self.step_samples)[:, None]).float().to(device)
         self.counts = torch.tensor(self.step_samples, dtype=torch.float32, device=device)  # the loss's divisors
         self.offsets = torch.full((epoch_steps, 2, local_batch), 2, dtype=torch.long, device=device)  # shifts
-        # in the parameters' dtype: foreach AdamW applies beta1 to its moments as given (bf16-true's are bf16)
-        dtype = next(iter(model.parameters())).dtype
-        self.lr, self.beta1 = (torch.zeros((), device=device, dtype=dtype) for _ in range(2))
+        self.lr, self.beta1 = (torch.zeros((), device=device) for _ in range(2))  # float32, as the scheduler's numbers
         self.graph, self.graph_loss, self.steps_run = None, None, 0
-        capturable(optimizer, self.captures)
 
     def described(self) -> str:
         if self.graph is not None:
@@ -73,7 +73,9 @@ class WholeStep:
         self.lr.fill_(group["lr"])
         self.beta1.fill_(group["betas"][0])
         loss = self.step()
-        self.scheduler.step()  # on the host, as in the eager step
+        with warnings.catch_warnings():  # graph_adamw stepped the optimizer, not its step(), which the scheduler watches
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+            self.scheduler.step()  # on the host, as in the eager step
         return loss
 
     def step(self) -> torch.Tensor:
@@ -85,6 +87,7 @@ class WholeStep:
         if self.steps_run < WARM_UP:
             return self.on_side_stream(self.eager)
         self.optimizer.zero_grad(set_to_none=True)  # the backward in the graph allocates the gradients from its pool
+        graph_adamw.init_state(self.optimizer)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.graph_loss = self.program()
@@ -100,8 +103,7 @@ class WholeStep:
     def on_side_stream(self, step):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
+        with torch.cuda.stream(stream):
             loss = step()
         torch.cuda.current_stream().wait_stream(stream)
         return loss
@@ -120,8 +122,8 @@ class WholeStep:
         weights = self.weights.index_select(0, at).view(-1)
         loss = (per_sample * weights).sum() / self.counts.index_select(0, at).view(())
         self.fabric.backward(loss)
-        with tensor_hyperparameters(self.optimizer, self.lr, self.beta1):
-            self.optimizer.step()
+        graph_adamw.init_state(self.optimizer)  # a no-op once the state exists (always so when captured)
+        graph_adamw.step(self.optimizer, self.lr, self.beta1)
         at.add_(1)
         return loss.detach()
 
@@ -129,25 +131,3 @@ class WholeStep:
 def shift_seed(cfg, step: int, fabric) -> int:
     """The seed of a step's shifts: one per step and rank (fabric_lenet.train_step draws with it)."""
     return cfg.seed * 1_000_003 + step * fabric.world_size + fabric.global_rank
-
-
-def capturable(optimizer, on_gpu: bool) -> None:
-    """AdamW as a graph can hold it: states and step counts on the device, one foreach kernel set (fused AdamW reads its
-    betas as host numbers). Set again on each group after a checkpoint's groups replaced them; on a CPU plain
-    single-tensor AdamW, the one that takes its learning rate as a tensor there."""
-    for group in optimizer.param_groups:
-        group.update(capturable=on_gpu, foreach=on_gpu, fused=False)
-
-
-@contextlib.contextmanager
-def tensor_hyperparameters(optimizer, lr: torch.Tensor, beta1: torch.Tensor):
-    """AdamW reads its learning rate and beta1 from these device scalars for one step (the graph keeps reading them);
-    the groups keep the scheduler's numbers otherwise, so a checkpoint is the eager step's."""
-    saved = [(g["lr"], g["betas"]) for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"], g["betas"] = lr, (beta1, g["betas"][1])
-    try:
-        yield
-    finally:
-        for g, (lr_, betas) in zip(optimizer.param_groups, saved):
-            g["lr"], g["betas"] = lr_, betas
