@@ -15,7 +15,7 @@ flag = $(if $($(1)),$(2) $($(1)))
 FABRIC_FLAGS = --out-dir $(RUNS) $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) $(call flag,NODE_TIMEOUT,--node-timeout) \
 	$(call flag,STRATEGY,--strategy) $(call flag,PRECISION,--precision) $(call flag,LR,--lr) \
 	$(call flag,SEED,--seed) $(call flag,RUN,--run-name) $(call flag,RESUME,--resume) $(call flag,REQUEUE_SIGNAL,--requeue-signal) \
-	$(if $(filter 1 yes true,$(COMPILE)),--compile)
+	$(if $(filter 1 yes true,$(COMPILE)),--compile,$(if $(filter 0 no false,$(COMPILE)),--no-compile))
 LENET_FLAGS = $(FABRIC_FLAGS) $(call flag,EPOCHS,--epochs) $(call flag,BATCH,--batch-size) $(call flag,ACT,--activation) \
 	$(call flag,DATA,--data) $(call flag,WORKERS,--num-workers) $(ARGS)
 GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps) $(call flag,MICRO_BATCH,--micro-batch-size) \
@@ -37,7 +37,7 @@ help: ## list the targets
 	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
 	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DATASET=text TEXT TOKENIZER VOCAB DATA_DIR EVAL_EVERY EVAL_BATCHES (text, gpt) | PROMPT NEW_TOKENS TEMPERATURE TOP_K (sample) |"
-	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1 ARGS='--more flags' |"
+	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1|0 ARGS='--more flags' |"
 	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b (gpu-check) | RUNS (the runs folder, default runs)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch

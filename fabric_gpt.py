@@ -50,8 +50,9 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     n_head: int = opt(0, "attention heads (0: the preset's)", min=0)
     seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=0)
     vocab_size: int = opt(0, "vocabulary size (0: the preset's)", min=2, zero=True)
-    pad_vocab_to: int = opt(1, "embedding and head rows a multiple of this (64: 50,257 -> 50,304); the padding is "
-                            "masked, never exported", min=1, max=4096, since=1)
+    pad_vocab_to: int = opt(0, "embedding and head rows a multiple of this (64: 50,257 -> 50,304); the padding is "
+                            "masked, never exported (0: 64 on GPUs, else 1)", min=1, max=4096, zero=True,
+                            since=1)
     dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step", min=0, below=1)
     dataset: str = opt("", "random tokens (as the course; the default), ramp (x[t+1] = x[t] + 1) or text (windows of "
                        "a corpus; the default with --text or --tokenizer)", ("", "random", "ramp", "text"),
@@ -100,9 +101,10 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                          check=flags.Folder(optional=True), runtime=True)
     grad_checkpointing: bool = opt(False, "recompute activations in backward: less memory, ~1/3 more compute",
                                    runtime=True)
-    chunked_loss: bool = opt(False, "the head and its loss a chunk of tokens at a time: no float32 logits of every "
-                             "token (core/gpt/chunked_loss.py)", since=False)
-    compile: bool = opt(False, "torch.compile the model (--compile-scope)", runtime=True)
+    chunked_loss: bool | None = opt(None, "the head and its loss a chunk of tokens at a time, never the float32 "
+                                    "logits of every token; auto: on GPUs (docs/gpu.md)", since=False)
+    compile: bool | None = opt(None, "torch.compile the model (--compile-scope); auto: on GPUs (docs/gpu.md)",
+                               runtime=True)
     compile_scope: str = opt("auto", "blocks (one graph they share: fast to compile) or model (fewer kernels); "
                              "auto: blocks on a GPU, model on a CPU",
                              ("auto", "blocks", "model"), runtime=True)
@@ -132,6 +134,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                         runtime=True)
     checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)", min=0, runtime=True)
     keep_last: int = opt(2, "checkpoints kept", min=1, runtime=True)
+    save_at_end: bool = opt(True, "a checkpoint at the last step (--no-save-at-end: a timing run that leaves nothing "
+                            "to continue from; a stop signal still saves)", runtime=True)
     resume: str = resume_flag()
     requeue_signal: str = requeue_flag()
     export: bool = opt(False, "at the end, write runs/<run>/hf/: a Hugging Face model folder, whatever the strategy",
@@ -155,8 +159,21 @@ def resolve(cfg: Config) -> Config:
                               lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4),
                               log_every=cfg.log_every or (10 if uses_gpu(cfg.accelerator) else 1),
                               compile_scope=cfg.compile_scope if cfg.compile_scope != "auto" else
-                              "blocks" if uses_gpu(cfg.accelerator) else "model")
+                              "blocks" if for_gpu(cfg) else "model")
+    levers = for_gpu(cfg) and cfg.layout.replicated and not cfg.layout.threads
+    cfg = dataclasses.replace(cfg, compile=levers if cfg.compile is None else cfg.compile,
+                              chunked_loss=levers if cfg.chunked_loss is None else cfg.chunked_loss,
+                              pad_vocab_to=cfg.pad_vocab_to or (64 if levers else 1))
     return cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
+
+
+def for_gpu(cfg: Config) -> bool:
+    """A run on GPUs, or a plan for one. Such a run takes the GPU levers by default (docs/gpu.md: a compiled model,
+    its blocks sharing one graph; the chunked loss; the vocabulary padded to 64) where each is proven equal to the
+    plain run, one device or DDP; not on a CPU, where compiling costs more than it saves in a short run, nor under the
+    strategies that refuse or have not proven them. make gpu-check's levers row times the step with and without."""
+    planned = (cfg.plan or cfg.search) and (cfg.cluster in perf_model.CLUSTERS or bool(cfg.device_memory_gb))
+    return uses_gpu(cfg.accelerator) or bool(planned)
 
 
 def default_micro_batch(cfg: Config) -> int:
@@ -399,7 +416,7 @@ def train(run: Run, model, optimizer, loader, take_step, flops: dict, evaluate_n
         step = progress.step
         log_due = step % cfg.log_every == 0 or step == stop_at
         eval_due = evaluate_now and ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop_at)
-        save_due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == stop_at
+        save_due = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or (step == stop_at and cfg.save_at_end)
         (stopping,) = run.stop.requested(fabric)
         if not (log_due or eval_due or save_due or stopping):
             continue

@@ -23,6 +23,7 @@ from lightning.fabric import Fabric
 import fabric_gpt
 from core.run.files import write_json_atomic
 from core.run.flags import Folder, Parser, choice, number
+from core.run.lifecycle import exits
 
 # A kernel's (or, on a CPU, an operator's) kind, by its name: the first pattern that matches
 KINDS = (("attention", r"flash|fmha|attention|sdpa|softmax_backward_data|_efficient_attention"),
@@ -110,7 +111,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    args, cfg = parse_args(argv)
+    with exits():  # a flag, the hardware or the memory plan that cannot work: one line, before the model is built
+        args, cfg = parse_args(argv)
+        fabric_gpt.validate(cfg)
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own start and stop lines, and its CUDA probe
     result = profile(cfg, args.steps)
     out = Path(args.out)

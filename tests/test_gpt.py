@@ -1216,3 +1216,28 @@ def test_the_summary_of_a_run_with_no_loss_logged_says_so(tmp_path, capsys):
     n_params, attn = gpt.count_parameters(run.cfg)
     gpt.announce(run, n_params, (1e12, "probe"), attn, gpt.disk_plan(run.cfg))
     assert "no step left: the run is at step 4 and this command ends it at 2" in capsys.readouterr().out
+
+
+def test_a_timing_run_without_the_final_checkpoint_leaves_its_record_only(tmp_path):
+    """--no-save-at-end (gpu-check's 1.6B rows: the step is timed, not the 19 GB save): the record and its figures,
+    no checkpoint; --checkpoint-every still saves on the way."""
+    run_gpt(tmp_path, "timed", "--steps", "4", "--no-save-at-end")
+    assert record(tmp_path, "timed")["steps"] == 4 and not list((tmp_path / "timed" / "checkpoints").glob("step-*"))
+    run_gpt(tmp_path, "every", "--steps", "4", "--no-save-at-end", "--checkpoint-every", "2", "--keep-last", "3")
+    assert sorted(p.name for p in (tmp_path / "every" / "checkpoints").glob("step-*")) == ["step-00000002",
+                                                                                        "step-00000004"]
+
+
+def test_the_gpu_levers_are_the_default_on_gpus_only_and_where_proven():
+    """make gpt on a GPU (or its plan): compiled blocks, the chunked loss, the vocabulary padded to 64; on a CPU none;
+    under the strategies that refuse a lever or have not proven it none either; a flag always wins."""
+    def levers(*flags):
+        cfg = gpt.parse_args(["--model", "1.6b", "--precision", "bf16-mixed", *flags])
+        return cfg.compile, cfg.chunked_loss, cfg.pad_vocab_to, cfg.compile_scope
+    assert levers("--accelerator", "cpu") == (False, False, 1, "model")
+    assert levers("--plan", "--cluster", "h200-sxm") == (True, True, 64, "blocks")
+    assert levers("--plan", "--cluster", "h200-sxm", "--strategy", "ddp", "--devices", "8") == (True, True, 64, "blocks")
+    for strategy in ("deepspeed_stage_3", "fsdp", "tp", "pp"):
+        assert levers("--plan", "--cluster", "h200-sxm", "--strategy", strategy, "--devices", "2")[:3] == (False, False, 1)
+    assert levers("--plan", "--cluster", "h200-sxm", "--no-compile", "--pad-vocab-to", "1") == (False, True, 1, "blocks")
+    assert levers("--accelerator", "cpu", "--compile", "--chunked-loss")[:2] == (True, True)

@@ -9,6 +9,7 @@ import time
 import psutil
 import torch
 
+from core.gpt.chunked_loss import CHUNK
 from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, model_vocab
 from core.gpt.strategies import deepspeed_on_cpu, fsdp_gathers_bf16
 from core.run import measurements
@@ -260,8 +261,13 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     weight_copies = 12 * h * h * 2 / t if autocast and not fsdp_gathers_bf16(cfg) else 0
     head_copy = V * h * 2 if autocast else 0  # lm_head's (the tied embedding's) 16-bit copy
     head = s * b * h * (r + w) + head_copy  # ln_f's input and output, and that copy
-    # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward
+    # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward; the
+    # chunked loss (chunked_loss.py) holds one chunk's float32 logits and their 16-bit copy, the head's float32
+    # gradient and the hidden states' gradient, all made in forward
     logits = s * b * V * (w + 4 + 4) / t
+    logits_gradient = s * b * V * 4 / t
+    if getattr(cfg, "chunked_loss", False):
+        logits, logits_gradient = min(s * b, CHUNK) * V * (4 + w) + V * h * 4 + s * b * h * w, 0
     layers = -(-L // p)
     in_flight = 1
     if lay.pipeline:  # the first stage holds activations of up to p (1F1B) or m (GPipe) micro-batches
@@ -273,7 +279,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     checkpointed = blocks_checkpointed + weight_copies + head + logits
     # every 16-bit copy the forward made (autocast keeps them until its region ends, then frees them into the heap)
     all_copies = in_flight * layers * weight_copies + head_copy
-    return {"activations_full": full, "activations_checkpointed": checkpointed, "logits_gradient": s * b * V * 4 / t,
+    return {"activations_full": full, "activations_checkpointed": checkpointed, "logits_gradient": logits_gradient,
             "weight_copies": all_copies,
             "block_activations": blocks_checkpointed if cfg.grad_checkpointing else blocks_full}
 

@@ -673,6 +673,10 @@ def print_plan(cfg, plan: dict) -> None:
     print(f"memory plan: {cfg.model} ({plan['n_params'] / 1e6:,.1f}M parameters), {cfg.strategy}, {cfg.precision}, "
           f"{lay.world} device(s) (dp {lay.dp_size}, tp {lay.tp_size}, pp {lay.pp_size}), micro-batch "
           f"{cfg.micro_batch_size} x {cfg.seq_len} tokens")
+    levers = [f"compiled ({cfg.compile_scope})" if cfg.compile else "", "chunked loss" if cfg.chunked_loss else "",
+              f"vocabulary padded to {gpt_model.model_vocab(cfg):,}" if gpt_model.model_vocab(cfg) > cfg.vocab_size else ""]
+    if any(levers):
+        print(f"  levers: {', '.join(lever for lever in levers if lever)}")
     for key in ("params", "grads", "optimizer", "master", "ddp_buckets", "gathered_layer"):
         if plan[key] or key in ("params", "grads", "optimizer"):
             print(f"  {key:<26}{gib(plan[key])}")

@@ -271,7 +271,10 @@ def opt(default, help: str, choices=None, *, group: str | None = None, check: Ch
     `group` starts a help section that the following fields join. What resume needs to know is declared here too:
     `runtime` flags change how a run executes, not what it computes (a checkpoint continues under new values);
     `since` is the value runs behaved as before the flag existed (their checkpoints do not record it)."""
-    if choices is not None:
+    if default is None:  # an automatic boolean: --x / --no-x, neither leaves it to the script to decide (None)
+        if bounds or choices is not None or check is not None:
+            raise TypeError("opt(None): an automatic on/off flag takes no bounds, choices or check")
+    elif choices is not None:
         if bounds:
             raise TypeError(f"opt(): choices {choices} and bounds {bounds} exclude each other; give one")
         check = Choice(choices)
@@ -318,9 +321,10 @@ def build_parser(config_class, description: str, prog: str | None = None) -> Par
         if f.metadata.get("group"):
             group = parser.add_argument_group(f.metadata["group"])
         help_ = f.metadata.get("help", "")
-        if f.type is bool or f.type == "bool":
+        if f.type is bool or f.type == "bool" or f.default is None:  # None: on or off as the script decides
             group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=f.default,
-                               help=help_ + (" (default: on)" if f.default else ""))
+                               help=help_ + (" (default: on)" if f.default else " (default: auto)" if f.default is None
+                                             else ""))
             continue
         check = f.metadata.get("check")
         if check is None:
@@ -342,7 +346,7 @@ def check_config(cfg) -> None:
     """The declared checks run again on a config built in Python rather than from flags (tests, bench, lab)."""
     for f in dataclasses.fields(cfg):
         check, value = f.metadata.get("check"), getattr(cfg, f.name)
-        if check is None or isinstance(value, bool):
+        if check is None or isinstance(value, bool) or value is None:
             continue
         try:
             check(repr(value) if isinstance(value, float) else str(value))
