@@ -38,7 +38,7 @@ help: ## list the targets
 	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DATASET=text TEXT TOKENIZER VOCAB DATA_DIR EVAL_EVERY EVAL_BATCHES (text, gpt) | PROMPT NEW_TOKENS TEMPERATURE TOP_K (sample) |"
 	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1|0 ARGS='--more flags' |"
-	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b (gpu-check) | RUNS (the runs folder, default runs)"
+	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b|all (gpu-check) | RUNS (the runs folder, default runs)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
@@ -74,7 +74,7 @@ setup: $(SETUP) ## create .venv and install requirements.txt (and libaio for NVM
 lab: $(SETUP) ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
 	$(PY) -m lab --runs $(RUNS) $(if $(filter 1 yes true,$(FORCE)),--force) $(call flag,STAGES,--stages)
 
-gpu-check: $(SETUP) ## CUDA machines: every GPU path with a verdict and its figure, into runs/gpu-check/
+gpu-check: $(SETUP) ## CUDA machines: the new GPU paths and their goals in ~7 min (CHECKS=all: every row), into runs/gpu-check/
 	$(PY) -m lab.gpu_check --runs $(RUNS) $(call flag,CHECKS,--checks)
 
 data: $(SETUP) ## download and verify MNIST into data/mnist (MNIST_MIRROR=folder-or-URL when offline)

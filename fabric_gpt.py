@@ -134,8 +134,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                         runtime=True)
     checkpoint_every: int = opt(0, "optimizer steps between checkpoints (0: only at the end)", min=0, runtime=True)
     keep_last: int = opt(2, "checkpoints kept", min=1, runtime=True)
-    save_at_end: bool = opt(True, "a checkpoint at the last step (--no-save-at-end: a timing run that leaves nothing "
-                            "to continue from; a stop signal still saves)", runtime=True)
+    save_at_end: bool = opt(True, "a checkpoint at the last step (no: a timing run; a stop signal still saves)",
+                            runtime=True)
     resume: str = resume_flag()
     requeue_signal: str = requeue_flag()
     export: bool = opt(False, "at the end, write runs/<run>/hf/: a Hugging Face model folder, whatever the strategy",

@@ -620,7 +620,7 @@ def test_help_explains_every_flag(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for field in gpt.dataclasses.fields(gpt.Config):
         name = field.name.replace("_", "-")
-        assert (f"--[no-]{name}" if field.type is bool else f"--{name}") in text
+        assert (f"--[no-]{name}" if field.type is bool or field.default is None else f"--{name}") in text
     assert "one of auto, ddp, fsdp, tp, fsdp_tp, pp" in text and "(default: 1234)" in text
 
 

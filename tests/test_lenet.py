@@ -306,7 +306,7 @@ def test_help_explains_every_flag(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for field in dataclasses.fields(Config):
         name = field.name.replace("_", "-")
-        assert (f"--[no-]{name}" if field.type is bool else f"--{name}") in text
+        assert (f"--[no-]{name}" if field.type is bool or field.default is None else f"--{name}") in text
     assert "global batch: split evenly across all processes (default: 512)" in text
     assert "relu, gelu_torch (F.gelu), gelu_py, gelu_cpp (gelu_ext/) (default: relu)" in text
 
