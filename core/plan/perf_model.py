@@ -260,9 +260,9 @@ def comm_table(cfg) -> list[dict]:
         rows += fsdp_rows(cfg, params, dp, t, dp_link)
     if lay.tensor_parallel:
         activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["matmul_out"]
-        # per block: attention's and the MLP's row-parallel outputs in forward, the column-parallel inputs'
-        # gradients in backward (no sequence parallelism)
-        rows.append(row("all_reduce", t, activation, 4 * cfg.n_layer * m, tp_link, "none"))
+        # per block of this rank's stage: attention's and the MLP's row-parallel outputs in forward, the
+        # column-parallel inputs' gradients in backward (no sequence parallelism)
+        rows.append(row("all_reduce", t, activation, 4 * -(-cfg.n_layer // p) * m, tp_link, "none"))
         # the gradient norm: the float64 squares of the tensor-parallel shards, summed in one all-reduce
         rows.append(row("all_reduce", t, 8, 1, tp_link, "none"))
     if lay.pipeline:
@@ -274,7 +274,9 @@ def link_of(cfg, group: str) -> str:
     """Which link a group crosses: tensor-parallel and pipeline groups are the innermost mesh dimension (inside a
     node when they fit); a data-parallel group spans nodes as soon as there is more than one."""
     lay = cfg.layout
-    if group in ("tp", "pp"):
+    if group == "tp":
+        return "intra" if lay.tp_size <= cfg.devices else "inter"
+    if group == "pp":  # under 3-D layouts the stages follow the tensor-parallel groups of a node
         return "intra" if lay.tp_size * lay.pp_size <= cfg.devices else "inter"
     return "inter" if cfg.num_nodes > 1 and lay.dp_size > 1 else "intra"
 
@@ -378,16 +380,19 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
     stage, then the gradient norm's float64 square over all ranks, and with data parallel its stage's
     gradients with the stage's replicas, one call per parameter."""
     m, link = cfg.grad_accum, link_of(cfg, "pp")
-    activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"]
+    # under 3-D layouts (plans only) each tensor-parallel rank sends its 1/t of the activation (Megatron's
+    # scatter/gather) and holds 1/t of every matrix and of the vocabulary-parallel embedding
+    t = cfg.layout.tp_size if cfg.layout.tensor_parallel else 1
+    activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"] / t
     rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
-            row("all_reduce", 2 if p > 1 else 1, gpt_model.model_vocab(cfg) * cfg.n_embd * w["grad"], 1, link, "none"),
+            row("all_reduce", 2 if p > 1 else 1, gpt_model.model_vocab(cfg) * cfg.n_embd * w["grad"] / t, 1, link, "none"),
             row("all_reduce", cfg.layout.world, 8, 1, link_of(cfg, "dp"), "none")]
     if dp > 1:
         from core.gpt.strategies import stage_blocks
 
         first = [s for n, s in params if not n.startswith("h.") and n in ("wte", "wpe")] + [
             s for n, s in params if n.startswith("h.") and int(n.split(".")[1]) in stage_blocks(cfg.n_layer, p, 0)]
-        rows += [row("all_reduce", dp, numel(s) * w["grad"], 1, link_of(cfg, "dp"), "none") for s in first]
+        rows += [row("all_reduce", dp, numel(s) * w["grad"] / t, 1, link_of(cfg, "dp"), "none") for s in first]
     return rows
 
 
@@ -424,14 +429,15 @@ def flops_per_device(cfg, n_params: int) -> dict:
     lay = cfg.layout
     dp, t, p, world = lay.dp_size, lay.tp_size, lay.pp_size, lay.world
     tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
-    if lay.pipeline:
-        per_block = (blocks + recompute) / L
+    if lay.pipeline:  # (under 3-D layouts, plans only, tensor parallel splits each stage's blocks and head)
+        t = lay.tp_size if lay.tensor_parallel else 1
+        per_block, head = (blocks + recompute) / L / t, head / t
         first = -(-L // p) * per_block  # the first stages take the extra block
         last = (L // p) * per_block + head
         busiest = max(first, last) if p > 1 else L * per_block + head
         return {"model": total * tokens * dp / world, "busiest": busiest * tokens,
                 "per_micro_batch": busiest * tokens / cfg.grad_accum,
-                "all_ranks": (L * per_block + head) * tokens * dp}
+                "all_ranks": (L * per_block + head) * t * tokens * dp}
     # tensor parallel splits the blocks' matmuls; the LM head is replicated on every tensor-parallel rank
     busiest = ((blocks + recompute) / t + head) * tokens
     return {"model": total * tokens * dp / world, "busiest": busiest,
