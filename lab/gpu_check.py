@@ -164,7 +164,7 @@ def planned_from_this_gpu(out: Path) -> tuple[bool, str]:
     run = record(out, "gpt-1.6b")
     ratio, m = t["step_time_s"] / run["step_time_s"], t["measured_step"]
     parts = (f"fixed {1e3 * m['fixed_s']:.0f} + work {1e3 * m['work_s']:.0f} + optimizer {1e3 * m['optimizer_s']:.0f} "
-             "ms" if m else "the preset's peak x efficiency: nothing measured")
+             "ms" if m else "the preset's kernels (gpu_efficiency.py): nothing measured")
     return (m is not None and abs(ratio - 1) <= 0.25,
             f"planned {1e3 * t['step_time_s']:.0f} ms ({parts}) vs run {1e3 * run['step_time_s']:.0f} ms at micro-batch "
             f"{run['config']['micro_batch_size']}: {ratio:.2f}x")

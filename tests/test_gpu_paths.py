@@ -154,7 +154,7 @@ def test_large_model_verdict_on_a_gpu_without_a_known_peak():
 
 def test_the_plan_row_holds_the_gpus_plan_against_the_run_within_a_quarter(tmp_path):
     """Row "GPT-2 1.6B planned from this GPU": passes when --plan's step, from measurements of the GPU, is within 25%
-    of the 1.6B run's; fails beyond, and fails a plan that measured nothing (the preset's peak x efficiency)."""
+    of the 1.6B run's; fails beyond, and fails a plan that measured nothing (the preset's kernels)."""
     (tmp_path / "gpt-1.6b").mkdir()
     (tmp_path / "gpt-1.6b" / "record.json").write_text(json.dumps({"step_time_s": 0.300,
                                                                     "config": {"micro_batch_size": 16}}))
