@@ -178,8 +178,9 @@ def seconds(s: float) -> str:
 
 
 def print_check(result: dict) -> None:
-    print(f"plan-check: {len(rows())} published training runs ({ROWS.name}), each predicted by perf_model.time_plan "
-          "(the model `make plan` uses) on its cluster preset and framework; ratio = predicted / measured step")
+    print(f"plan-check: {len(rows())} measured GPU training runs ({ROWS.name}: published, and this lab's), each "
+          "predicted by perf_model.time_plan (the model `make plan` uses) on its cluster preset and framework; ratio = "
+          "predicted / measured step, error = the larger of ratio and 1/ratio, less 1")
     print(f"  {'run':<70}{'GPUs':>6}{'predicted':>12}{'measured':>12}{'ratio':>8}")
     for role in ("validation", "calibration"):
         print(f"  {role} rows:")
