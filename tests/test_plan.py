@@ -314,6 +314,19 @@ def test_the_h200_steps_of_docs_gpu_md_are_planned_within_25_percent(micro, meas
     assert t["kernels"]["framework"] == "eager" and t["kernels"]["host_bound"] == (micro == 1)
 
 
+def test_a_gpu_without_cached_measurements_is_planned_from_its_kernels(tmp_path, monkeypatch):
+    """A run's own estimate on a GPU whose measurements no --plan cached (probe "cached", nothing there) falls back to
+    its preset's kernels, not to the old peak x efficiency (record.json's predicted step, the run's duration line)."""
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
+    cfg = cfg_of(micro_batch_size=8, cluster="h200-sxm")
+    preset = perf_model.CLUSTERS["h200-sxm"]
+    here = dataclasses.replace(preset, probe="cached", measured_on="cpu")  # this CPU standing in for the GPU
+    n = gpt.count_parameters(cfg)[0]
+    t = perf_model.time_plan(cfg, here, n)
+    assert t["measured_step"] is None and t["kernels"] is not None
+    assert t["step_time_s"] == perf_model.time_plan(cfg, preset, n)["step_time_s"]
+
+
 def test_a_gpu_plan_prints_its_kernels_and_the_nearest_published_run(capsys):
     cfg = cfg_of(micro_batch_size=8, cluster="h200-sxm", plan=True)
     result = perf_model.plan(cfg, beside=published.beside_the_plan)

@@ -506,6 +506,8 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0, framework
     step = compute + bubble + exposed + offload
     measured = (measured_step(cfg, cluster, n_params, cluster.probe == "measure", exposed, offload) if cluster.probe
                 else None)
+    if cluster.probe and measured is None and cluster.kernels:  # a GPU here without its measurements: its preset's
+        return time_plan(cfg, replace(cluster, probe=""), n_params, tokens, framework, calibration)  # kernels
     if measured:
         step = measured["step_time_s"]
     samples_per_step = cfg.micro_batch_size * m * lay.dp_size
