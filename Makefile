@@ -22,7 +22,7 @@ GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps
 	$(call flag,ACCUM,--grad-accum) $(call flag,SAMPLES,--num-samples) $(call flag,SEQ,--seq-len) \
 	$(if $(filter 1 yes true,$(CKPT)),--grad-checkpointing) $(call flag,NVME,--nvme-path) $(call flag,TP,--tp-size) \
 	$(call flag,PP,--pp-size) $(call flag,PP_SCHEDULE,--pp-schedule) $(call flag,OPTIMIZER,--optimizer) \
-	$(call flag,CLUSTER,--cluster) $(call flag,TOKENS,--tokens) $(call flag,PLAN_JSON,--plan-json) \
+	$(call flag,CLUSTER,--cluster) $(call flag,TOKENS,--tokens) $(call flag,PLAN_JSON,--plan-json) $(call flag,FRAMEWORK,--plan-framework) \
 	$(if $(filter 1 yes true,$(SEARCH)),--search) $(if $(filter 1 yes true,$(COUNT_COMMS)),--count-comms) $(TEXT_FLAGS) $(ARGS)
 TEXT_FLAGS = $(call flag,DATASET,--dataset) $(call flag,TEXT,--text) $(call flag,TOKENIZER,--tokenizer) $(call flag,VOCAB,--vocab-size) \
 	$(call flag,DATA_DIR,--data-dir) $(call flag,EVAL_EVERY,--eval-every) $(call flag,EVAL_BATCHES,--eval-batches)
@@ -30,12 +30,12 @@ SAMPLE_FLAGS = $(if $(PROMPT),--prompt '$(PROMPT)') $(call flag,NEW_TOKENS,--max
 	$(call flag,TOP_K,--top-k) $(call flag,SEED,--seed)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab gpu-check data text sample lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-command export plan gpt-plan bench-gpt bench-text report clean
+.PHONY: help setup lab gpu-check data text sample lenet tb test test-fast gelu-check bench-gelu bench-lenet gpt gpt-command export plan gpt-plan plan-check bench-gpt bench-text report clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  variables: EPOCHS BATCH LR ACT DATA WORKERS | MODEL STEPS MICRO_BATCH ACCUM SAMPLES SEQ CKPT=1 NVME TP PP PP_SCHEDULE OPTIMIZER |"
-	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON COUNT_COMMS=1 (plan, gpt) |"
+	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON FRAMEWORK COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DATASET=text TEXT TOKENIZER VOCAB DATA_DIR EVAL_EVERY EVAL_BATCHES (text, gpt) | PROMPT NEW_TOKENS TEMPERATURE TOP_K (sample) |"
 	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1|0 ARGS='--more flags' |"
 	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b|all (gpu-check) | RUNS (the runs folder, default runs)"
@@ -119,10 +119,13 @@ export: $(SETUP) ## write runs/RUN/hf/, a Hugging Face model folder, from the ru
 	$(if $(RUN),,$(error make export needs RUN=<run folder name under $(RUNS)/>))
 	$(PY) -m core.gpt.hf_export $(RUNS)/$(RUN) $(ARGS)
 
-plan: $(SETUP) ## predict memory, step time, traffic and days (MODEL STRATEGY DEVICES NODES CLUSTER TOKENS SEARCH=1 PLAN_JSON)
+plan: $(SETUP) ## predict memory, step time, traffic and days (MODEL STRATEGY DEVICES NODES CLUSTER TOKENS SEARCH=1 FRAMEWORK)
 	$(PY) fabric_gpt.py --plan $(GPT_FLAGS)
 
 gpt-plan: plan ## the same as make plan (its earlier name)
+
+plan-check: $(SETUP) ## the plan against published GPU training runs: predicted, measured, ratio; median and worst error
+	$(PY) -m lab.plan_check
 
 bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
 	$(PY) -m lab.bench --out-dir $(RUNS) gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from core.gpt import hf_export, strategies, text_corpus
 from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, count_parameters,
                                  resolve_attention)
-from core.plan import accounting, disk, gpt_figures, perf_model
+from core.plan import accounting, disk, gpt_figures, gpu_efficiency, perf_model, published
 from core.run import flags
 from core.run.checkpoints import ResumeError
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
@@ -113,6 +113,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                        "default: cpu on a CPU run, else the GPU's", ("", *perf_model.CLUSTERS, "cpu"), runtime=True)
     tokens: float = opt(0.0, "with --plan: tokens to train on, for the days and device-hours (e.g. 15e12)", min=0,
                         runtime=True)
+    plan_framework: str = opt("", "with --plan on a GPU: whose kernels to price (default: this script's)",
+                              ("", *gpu_efficiency.FRAMEWORKS), runtime=True)
     plan_json: str = opt("", "with --plan: also write the plan as JSON to this path",
                          check=flags.OutFile(optional=True), runtime=True)
     search: bool = opt(False, "rank every strategy x tp x pp x micro-batch x checkpointing x offload that fits",
@@ -534,7 +536,8 @@ def main(argv=None) -> dict:
         cfg = parse_args(argv)
         validate(cfg)
         if cfg.plan or cfg.search:
-            return perf_model.plan(cfg, step_script=__file__)  # on a CPU its step is timed by running this script
+            # on a CPU its step is timed by running this script; on a GPU preset the nearest published run beside it
+            return perf_model.plan(cfg, step_script=__file__, beside=published.beside_the_plan)
         if (finished := find_run(cfg, "gpt", reached_its_end, text_identity(cfg))) is not None:
             return finished  # --resume auto of a run that already reached its end: nothing to train
         stop.listen(cfg.requeue_signal)  # from here a signal saves and stops the run, or lets its record finish

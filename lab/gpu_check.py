@@ -192,13 +192,13 @@ def plan_against_run(out: Path) -> tuple[float, str]:
     run = record(out, "gpt-1.6b")
     ratio, m = t["step_time_s"] / run["step_time_s"], t["measured_step"]
     parts = (f"fixed {1e3 * m['fixed_s']:.0f} + work {1e3 * m['work_s']:.0f} + optimizer {1e3 * m['optimizer_s']:.0f} "
-             "ms" if m else "the preset's peak x efficiency: nothing measured")
+             "ms" if m else "the preset's kernels (gpu_efficiency.py): nothing measured")
     return ratio, (f"planned {1e3 * t['step_time_s']:.0f} ms ({parts}) vs run {1e3 * run['step_time_s']:.0f} ms at "
                    f"micro-batch {run['config']['micro_batch_size']}: {ratio:.2f}x")
 
 
 def planned_from_this_gpu(out: Path) -> tuple[bool, str]:
-    """The path: --plan measured this GPU (not the preset's peak x efficiency) and predicted the run's step."""
+    """The path: --plan measured this GPU (not the preset's kernels alone) and predicted the run's step."""
     t = json.loads((out / "gpt-1.6b-plan.json").read_text())["time"]
     return t["measured_step"] is not None, plan_against_run(out)[1]
 

@@ -211,9 +211,11 @@ def test_make_gpu_check_holds_the_new_rows_in_7_minutes_and_says_so_first():
         for run, command in check.runs:
             if "--model" in command and command[command.index("--model") + 1] in ("1.6b", "gpt2-xl"):
                 assert "--no-save-at-end" in command or "--plan" in command, run
+
+
 def test_the_plan_row_holds_the_gpus_plan_against_the_run_within_a_quarter(tmp_path):
-    """Row "GPT-2 1.6B planned from this GPU": its path fails a plan that measured nothing (the preset's peak x
-    efficiency); its goal is met when --plan's step, from measurements of the GPU, is within 25% of the 1.6B run's."""
+    """Row "GPT-2 1.6B planned from this GPU": its path fails a plan that measured nothing (the preset's
+    kernels); its goal is met when --plan's step, from measurements of the GPU, is within 25% of the 1.6B run's."""
     (tmp_path / "gpt-1.6b").mkdir()
     (tmp_path / "gpt-1.6b" / "record.json").write_text(json.dumps({"step_time_s": 0.300,
                                                                     "config": {"micro_batch_size": 16}}))

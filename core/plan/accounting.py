@@ -196,7 +196,11 @@ def model_states(cfg, P: int) -> dict:
     t, p = lay.tp_size, lay.pp_size
     blocks = L * block_params(h)
     embeddings = V * h + S * h
-    if lay.tensor_parallel:
+    if lay.tensor_parallel and lay.pipeline:  # Megatron's 3-D layout (plans only): a stage's blocks split t ways,
+        # the vocabulary-parallel embedding on the first and last stages
+        layers = -(-L // p)
+        held = layers * ((12 * h * h + 7 * h) / t + 6 * h) + (V * h + S * h) / t
+    elif lay.tensor_parallel:
         # matrices and the column-parallel biases are split t ways; LayerNorms, the row-parallel biases
         # and the embeddings are replicated (Korthikanti et al. 2022, no sequence parallelism)
         split = L * (12 * h * h + 3 * h + 4 * h)

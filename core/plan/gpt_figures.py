@@ -126,7 +126,9 @@ def predicted_step(cfg, record: dict, n_params: int) -> dict | None:
                              perf_model.CLUSTERS[name], n_params)
     return {"cluster": name, "efficiency": t["efficiency"], "step_time_s": t["step_time_s"],
             "tokens_per_s": t["tokens_per_s"], "mfu": t["mfu"],
-            "source": "measurements of this GPU" if t["measured_step"] else f"the preset's peak x efficiency {t['efficiency']}"}
+            "source": "measurements of this GPU" if t["measured_step"] else
+            f"the preset's kernels (gpu_efficiency.py, {t['kernels']['framework']})" if t["kernels"] else
+            f"the preset's peak x efficiency {t['efficiency']}"}
 
 
 def comm_record(cfg, comms: dict | None) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 from core.gpt import gpt_model
 from core.gpt.strategies import fsdp_gathers_bf16
-from core.plan import accounting, device_probe, disk
+from core.plan import accounting, device_probe, disk, gpu_efficiency
 from core.run import measurements
 from core.run.files import write_atomic
 from core.run.flags import ConfigError
@@ -41,7 +41,7 @@ class Cluster:
     pcie_bw: float  # host <-> device (offload)
     nvme_bw: float  # per node, read or write
     host_adam_params_per_s: float  # DeepSpeed's CPU Adam on the node's host, parameters per second per device
-    efficiency: float  # achievable fraction of the peak in training matmuls (an input; printed with every figure)
+    efficiency: float  # without `kernels`: the achievable fraction of the peak in training matmuls (an input)
     overlap: bool = True  # communication on its own engine (NCCL on a GPU); CPU cores do both in turn
     shared_cores: bool = False  # CPU processes share one machine's cores: peak_flops is the machine's, and a rank
     # that waits (a pipeline stage in its bubble) leaves its cores to the others
@@ -50,31 +50,32 @@ class Cluster:
     step_script: str = ""  # probe "measure": the training script whose step on the minimal model is timed (the
     # caller's own: a script stands above the plan, which never names one)
     source: str = ""
+    kernels: str = ""  # a key of gpu_efficiency.CALIBRATION.devices: the step priced kernel by kernel on this GPU
 
 
 H100_SXM = Cluster(
     "h100-sxm", "NVIDIA H100 SXM5 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GB, 8,
     intra_bw=450 * GB, intra_latency=10e-6, inter_bw=50 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=12 * GB,
-    host_adam_params_per_s=1.5e9, efficiency=0.45,
+    host_adam_params_per_s=1.5e9, efficiency=0.45, kernels="h100",
     source="NVIDIA H100 datasheet: 989 TFLOPS bf16 dense, 67 fp32, NVLink 4 900 GB/s (450 each way), PCIe 5.0 x16 "
            "(50 GB/s achieved of 64), NDR InfiniBand 400 Gb/s per GPU (DGX H100)")
 CLUSTERS = {
     "a100-sxm-80g": Cluster(
         "a100-sxm-80g", "NVIDIA A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GB, 8,
         intra_bw=300 * GB, intra_latency=10e-6, inter_bw=25 * GB, inter_latency=20e-6, pcie_bw=25 * GB, nvme_bw=6 * GB,
-        host_adam_params_per_s=1e9, efficiency=0.5,
+        host_adam_params_per_s=1e9, efficiency=0.5, kernels="a100",
         source="NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 19.5 fp32 (TF32 off, torch's default), NVLink 3 600 GB/s "
                "(300 each way), PCIe 4.0 x16 (25 GB/s achieved of 32), HDR InfiniBand 200 Gb/s per GPU (DGX A100)"),
     "h100-sxm": H100_SXM,
     # H100's tensor cores and NVLink with more memory, or with another network: variants of the same node
     "h200-sxm": replace(
-        H100_SXM, name="h200-sxm", device="NVIDIA H200 SXM 141GB", memory_bytes=141 * GB,
+        H100_SXM, name="h200-sxm", device="NVIDIA H200 SXM 141GB", memory_bytes=141 * GB, kernels="h200",
         source="NVIDIA H200 datasheet: H100's tensor cores (989 TFLOPS bf16 dense) with 141 GB HBM3e; NVLink 4 and NDR "
                "400 Gb/s per GPU as DGX H200"),
     "h100-pcie": Cluster(
         "h100-pcie", "NVIDIA H100 PCIe 80GB", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}, 80 * GB, 8,
         intra_bw=25 * GB, intra_latency=15e-6, inter_bw=25 * GB, inter_latency=20e-6, pcie_bw=50 * GB, nvme_bw=6 * GB,
-        host_adam_params_per_s=1e9, efficiency=0.45,
+        host_adam_params_per_s=1e9, efficiency=0.45, kernels="h100-pcie",
         source="NVIDIA H100 PCIe datasheet: 756 TFLOPS bf16 dense, 51 fp32; no NVLink bridge assumed, so GPUs meet "
                "through the PCIe switches and host (25 GB/s each way achieved); 200 Gb/s network per GPU"),
     "h100-sxm-eth": replace(
@@ -260,9 +261,9 @@ def comm_table(cfg) -> list[dict]:
         rows += fsdp_rows(cfg, params, dp, t, dp_link)
     if lay.tensor_parallel:
         activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["matmul_out"]
-        # per block: attention's and the MLP's row-parallel outputs in forward, the column-parallel inputs'
-        # gradients in backward (no sequence parallelism)
-        rows.append(row("all_reduce", t, activation, 4 * cfg.n_layer * m, tp_link, "none"))
+        # per block of this rank's stage: attention's and the MLP's row-parallel outputs in forward, the
+        # column-parallel inputs' gradients in backward (no sequence parallelism)
+        rows.append(row("all_reduce", t, activation, 4 * -(-cfg.n_layer // p) * m, tp_link, "none"))
         # the gradient norm: the float64 squares of the tensor-parallel shards, summed in one all-reduce
         rows.append(row("all_reduce", t, 8, 1, tp_link, "none"))
     if lay.pipeline:
@@ -274,7 +275,9 @@ def link_of(cfg, group: str) -> str:
     """Which link a group crosses: tensor-parallel and pipeline groups are the innermost mesh dimension (inside a
     node when they fit); a data-parallel group spans nodes as soon as there is more than one."""
     lay = cfg.layout
-    if group in ("tp", "pp"):
+    if group == "tp":
+        return "intra" if lay.tp_size <= cfg.devices else "inter"
+    if group == "pp":  # under 3-D layouts the stages follow the tensor-parallel groups of a node
         return "intra" if lay.tp_size * lay.pp_size <= cfg.devices else "inter"
     return "inter" if cfg.num_nodes > 1 and lay.dp_size > 1 else "intra"
 
@@ -378,16 +381,19 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
     stage, then the gradient norm's float64 square over all ranks, and with data parallel its stage's
     gradients with the stage's replicas, one call per parameter."""
     m, link = cfg.grad_accum, link_of(cfg, "pp")
-    activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"]
+    # under 3-D layouts (plans only) each tensor-parallel rank sends its 1/t of the activation (Megatron's
+    # scatter/gather) and holds 1/t of every matrix and of the vocabulary-parallel embedding
+    t = cfg.layout.tp_size if cfg.layout.tensor_parallel else 1
+    activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"] / t
     rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
-            row("all_reduce", 2 if p > 1 else 1, gpt_model.model_vocab(cfg) * cfg.n_embd * w["grad"], 1, link, "none"),
+            row("all_reduce", 2 if p > 1 else 1, gpt_model.model_vocab(cfg) * cfg.n_embd * w["grad"] / t, 1, link, "none"),
             row("all_reduce", cfg.layout.world, 8, 1, link_of(cfg, "dp"), "none")]
     if dp > 1:
         from core.gpt.strategies import stage_blocks
 
         first = [s for n, s in params if not n.startswith("h.") and n in ("wte", "wpe")] + [
             s for n, s in params if n.startswith("h.") and int(n.split(".")[1]) in stage_blocks(cfg.n_layer, p, 0)]
-        rows += [row("all_reduce", dp, numel(s) * w["grad"], 1, link_of(cfg, "dp"), "none") for s in first]
+        rows += [row("all_reduce", dp, numel(s) * w["grad"] / t, 1, link_of(cfg, "dp"), "none") for s in first]
     return rows
 
 
@@ -424,14 +430,15 @@ def flops_per_device(cfg, n_params: int) -> dict:
     lay = cfg.layout
     dp, t, p, world = lay.dp_size, lay.tp_size, lay.pp_size, lay.world
     tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
-    if lay.pipeline:
-        per_block = (blocks + recompute) / L
+    if lay.pipeline:  # (under 3-D layouts, plans only, tensor parallel splits each stage's blocks and head)
+        t = lay.tp_size if lay.tensor_parallel else 1
+        per_block, head = (blocks + recompute) / L / t, head / t
         first = -(-L // p) * per_block  # the first stages take the extra block
         last = (L // p) * per_block + head
         busiest = max(first, last) if p > 1 else L * per_block + head
         return {"model": total * tokens * dp / world, "busiest": busiest * tokens,
                 "per_micro_batch": busiest * tokens / cfg.grad_accum,
-                "all_ranks": (L * per_block + head) * tokens * dp}
+                "all_ranks": (L * per_block + head) * t * tokens * dp}
     # tensor parallel splits the blocks' matmuls; the LM head is replicated on every tensor-parallel rank
     busiest = ((blocks + recompute) / t + head) * tokens
     return {"model": total * tokens * dp / world, "busiest": busiest,
@@ -456,15 +463,29 @@ def offload_time(cfg, cluster: Cluster, n_params: int) -> tuple[float, dict]:
     return parts["pcie_s"] + parts["host_adam_s"] + parts["nvme_s"], parts
 
 
-def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
-    """Step time broken down, throughput, MFU and the days to train on `tokens`."""
+def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0, framework: str | None = None,
+              calibration=None) -> dict:
+    """Step time broken down, throughput, MFU and the days to train on `tokens`. On a GPU preset the compute is
+    the step's kernels at that GPU's rates (gpu_efficiency.py, its CALIBRATION unless `calibration` is given) for
+    `framework` (default: this repository's own step, eager or --compile); elsewhere the FLOPs at the peak times
+    the cluster's efficiency."""
     dtype = accounting.dtype_kind(cfg.precision)
     peak = cluster.peak_flops.get(dtype) or next(iter(cluster.peak_flops.values()))
     rate = peak * cluster.efficiency
     flops = flops_per_device(cfg, n_params)
     lay = cfg.layout
     m, p = cfg.grad_accum, lay.pp_size
-    if cluster.shared_cores:  # the machine's cores do every rank's work, a waiting stage's cores included
+    kernels = None
+    if cluster.kernels and not cluster.probe:  # a GPU preset: what the step launches, each kernel at its rates (a
+        # GPU present here measures its step instead, its transfers hidden behind the peak's compute as before)
+        fw, cal = gpu_efficiency.framework_of(cfg, framework), calibration or gpu_efficiency.CALIBRATION
+        kernels = gpu_efficiency.step_seconds(cfg, cal.devices[cluster.kernels], peak,
+                                              gpu_efficiency.rank_states(cfg, n_params), gpt_model.model_vocab(cfg), fw,
+                                              cal.host_op_s)
+        kernels["framework"] = fw.name
+        compute = kernels["compute_s"]
+        bubble = (p - 1) * kernels["per_micro_batch_s"] if lay.pipeline else 0.0
+    elif cluster.shared_cores:  # the machine's cores do every rank's work, a waiting stage's cores included
         compute, bubble = flops["all_ranks"] / rate, 0.0
     else:
         compute = flops["busiest"] / rate
@@ -485,6 +506,8 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     step = compute + bubble + exposed + offload
     measured = (measured_step(cfg, cluster, n_params, cluster.probe == "measure", exposed, offload) if cluster.probe
                 else None)
+    if cluster.probe and measured is None and cluster.kernels:  # a GPU here without its measurements: its preset's
+        return time_plan(cfg, replace(cluster, probe=""), n_params, tokens, framework, calibration)  # kernels
     if measured:
         step = measured["step_time_s"]
     samples_per_step = cfg.micro_batch_size * m * lay.dp_size
@@ -492,7 +515,10 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0) -> dict:
     tokens_s = tokens_per_step / step
     world = lay.world
     model_flops = accounting.flops_per_token(cfg, n_params)["standard"]
-    out = {"cluster": cluster.name, "device": cluster.device, "peak_flops": peak, "efficiency": cluster.efficiency,
+    # the share of the peak the compute reaches: an input of the cluster, or what the kernels came to
+    efficiency = flops["busiest"] / (compute * peak) if kernels else cluster.efficiency
+    out = {"cluster": cluster.name, "device": cluster.device, "peak_flops": peak, "efficiency": efficiency,
+           "kernels": kernels,
            "step_time_s": step, "compute_s": compute, "comm_s": comm_s, "comm_exposed_s": exposed, "bubble_s": bubble,
            "offload_s": offload, "offload": offload_parts, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_s,
            "mfu": model_flops * samples_per_step * cfg.seq_len / step / ((1 if cluster.shared_cores else world) * peak),
@@ -611,9 +637,11 @@ def model_label(cfg, n_params: int) -> str:
 
 
 def print_search(cfg, cluster: Cluster, rows: list[dict], top: int = 12) -> None:
+    rates = (f"each step's kernels at this GPU's rates (gpu_efficiency.py, {gpu_efficiency.framework_of(cfg).name})"
+             if cluster.kernels else f"peak x efficiency {cluster.efficiency:.2f}")
     print(f"search: {model_label(cfg, rows[0]['n_params'])} on {cfg.num_nodes} x {cfg.devices} {cluster.device}, {cfg.precision}, global batch "
-          f"{rows[0]['micro_batch'] * rows[0]['grad_accum'] * rows[0]['dp']} x {cfg.seq_len} tokens; peak x efficiency "
-          f"{cluster.efficiency:.2f}; {len(rows)} plans fit, fastest first (predicted)")
+          f"{rows[0]['micro_batch'] * rows[0]['grad_accum'] * rows[0]['dp']} x {cfg.seq_len} tokens; {rates}; "
+          f"{len(rows)} plans fit, fastest first (predicted)")
     days = "train_days" in rows[0]
     print(f"  {'strategy':<27}{'tp':>3}{'pp':>3}{'dp':>5}{'micro':>6}{'accum':>6} ckpt  {'GiB/dev':>8}{'step ms':>10}"
           f"{'tokens/s':>12}{'MFU':>6}" + ("    days" if days else ""))
@@ -711,13 +739,26 @@ def print_time_plan(cfg, t: dict) -> None:
               f"preset's): the peak, the links between GPUs{', PCIe, the host Adam, NVMe' if t['offload_s'] else ''}")
         print_transfers(t)
         return
-    print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): peak "
-          f"{t['peak_flops'] / 1e12:.1f} TFLOPS x efficiency {t['efficiency']:.2f} (an input, --cluster's)")
     why = ("its measurements failed (the warning above)" if t["measured_on"] else
            "this node is not here; on one, the step is measured on its GPU")
-    print(f"  measured: nothing ({why}); assumed (the preset's datasheet figures): the peak, the efficiency, every "
-          "link's bandwidth and latency")
-    print(f"  {'compute':<26}{ms(t['compute_s'])}")
+    k = t["kernels"]
+    if k:  # a GPU preset: the step's kernels at its rates, calibrated on published runs
+        fw = gpu_efficiency.FRAMEWORKS[k["framework"]]
+        device = gpu_efficiency.CALIBRATION.devices[cluster_kernels(t["cluster"])]
+        print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): each kernel of the step "
+              f"priced on it (gpu_efficiency.py), framework {fw.name}: {fw.about}")
+        print(f"  rates: {gpu_efficiency.describe(device)}; peak {t['peak_flops'] / 1e12:.0f} TFLOPS")
+        print(f"  measured: nothing ({why}); assumed (the preset's datasheet figures): the peak, HBM, every "
+              "link's bandwidth and latency")
+        print(f"  {'compute':<26}{ms(t['compute_s'])}   (GPU {ms(k['gpu_s']).strip()}, host {ms(k['host_s']).strip()}: "
+              f"{'the host issuing kernels' if k['host_bound'] else 'the GPU'} sets it; {100 * t['efficiency']:.1f}% "
+              "of the peak)")
+    else:
+        print(f"time plan on {cfg.num_nodes} x {cfg.devices} {t['device']} ({t['cluster']}): peak "
+              f"{t['peak_flops'] / 1e12:.1f} TFLOPS x efficiency {t['efficiency']:.2f} (an input, --cluster's)")
+        print(f"  measured: nothing ({why}); assumed (the preset's datasheet figures): the peak, the efficiency, every "
+              "link's bandwidth and latency")
+        print(f"  {'compute':<26}{ms(t['compute_s'])}")
     print(f"  {'communication':<26}{ms(t['comm_s'])}   ({ms(t['comm_exposed_s']).strip()} not hidden behind compute)")
     if t["bubble_s"]:
         print(f"  {'pipeline bubble':<26}{ms(t['bubble_s'])}   ((p-1)/(m+p-1) of the pipeline's time, m = {cfg.grad_accum})")
@@ -728,6 +769,10 @@ def print_time_plan(cfg, t: dict) -> None:
     if "train_days" in t:
         print(f"  {t['tokens']:.3g} tokens: {t['train_days']:,.1f} days, {t['device_hours']:,.0f} device-hours")
     print_transfers(t)
+
+
+def cluster_kernels(name: str) -> str:
+    return CLUSTERS[name].kernels
 
 
 def print_measured_parts(m: dict, ms) -> None:
@@ -746,15 +791,18 @@ def print_transfers(t: dict) -> None:
             print(f"  {'':<42}{r['kind']:<15}{r['group_size']:>6}{r['bytes']:>14,}{r['count']:>7}  {r['link']:<6} {r['overlap']}")
 
 
-def plan(cfg, step_script: str = "") -> dict:
+def plan(cfg, step_script: str = "", beside=None) -> dict:
     """--plan and --search: memory and time without training, printed and, with --plan-json, written. On this CPU
-    the step is measured by running `step_script` (the training script asking) on the minimal model."""
+    the step is measured by running `step_script` (the training script asking) on the minimal model. `beside(cfg,
+    cluster, strategy)`: what the caller prints after the plan (fabric_gpt.py: the nearest published run), a dict
+    added to the result."""
     cluster = plan_cluster(cfg, step_script)
     check_plannable(cfg, cluster)
     if cfg.search:
         rows = search(cfg, cluster)
         print_search(cfg, cluster, rows)
         result = {"search": rows}
+        fastest = rows[0]
     else:
         n_params, attn = gpt_model.count_parameters(cfg)
         result = full_plan(cfg, cluster, n_params, attn, cfg.tokens)
@@ -774,6 +822,9 @@ def plan(cfg, step_script: str = "") -> dict:
         result["disk"] = disk.disk_plan(cfg, n_params)  # the bytes are the cluster's; the free space this machine's
         disk.print_disk_plan(cfg, result["disk"], local=cluster.name == "cpu")
         print_time_plan(cfg, result["time"])
+        fastest = {"strategy": cfg.strategy}
+    if beside:
+        result.update(beside(cfg, cluster, fastest["strategy"]))
     if cfg.plan_json:
         write_json(cfg.plan_json, result)
     return result

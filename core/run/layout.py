@@ -17,6 +17,8 @@ carries the layout of its own flags; a config read back from a checkpoint gets i
     tp                   Megatron tensor parallel over all processes
     fsdp_tp              2-D: tensor parallel in groups of --tp-size, FSDP2 across them
     pp                   --pp-size pipeline stages, data parallel across pipelines
+    tp_pp                plans only (published runs, core/plan/published.py): Megatron-LM's 3-D layout, tensor
+                         parallel inside each of --pp-size stages, data parallel across pipelines; no script trains it
 """
 
 import dataclasses
@@ -27,6 +29,8 @@ from core.run.flags import ConfigError
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp_tp", "pp", "deepspeed_stage_1", "deepspeed_stage_2",
               "deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload")
+PLAN_ONLY = ("tp_pp",)  # layouts the performance model plans for published runs; no --strategy choice
+TENSOR_PARALLEL, PIPELINE = ("tp", "fsdp_tp", "tp_pp"), ("pp", "tp_pp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +59,11 @@ class Layout:
     @property
     def tensor_parallel(self) -> bool:
         """Layers split across processes: DTensor parameters (which cannot share a fused kernel with plain ones)."""
-        return self.strategy in ("tp", "fsdp_tp")
+        return self.strategy in TENSOR_PARALLEL
 
     @property
     def pipeline(self) -> bool:
-        return self.strategy == "pp"
+        return self.strategy in PIPELINE
 
     @property
     def model_parallel(self) -> bool:
@@ -93,8 +97,8 @@ def layout(strategy: str, devices: int, num_nodes: int = 1, tp_size: int = 0, pp
     world = devices * num_nodes
     deepspeed = strategy.startswith("deepspeed")
     return Layout(strategy, world,
-                  tp_size=(tp_size or world) if strategy in ("tp", "fsdp_tp") else 1,
-                  pp_size=(pp_size or world) if strategy == "pp" else 1,
+                  tp_size=(tp_size or world) if strategy in TENSOR_PARALLEL else 1,
+                  pp_size=(pp_size or world) if strategy in PIPELINE else 1,
                   zero_stage=int(strategy.split("_")[2]) if deepspeed else 0,
                   offload=strategy.endswith("_offload"))
 
