@@ -142,6 +142,8 @@ def load_cpp(verbose: bool = False) -> None:
         hide_the_cuda_home_guess()
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
 
+    from core.run.extension_compiler import noted_build
+
     venv_bin = Path(sys.prefix) / "bin"  # its ninja, whatever the shell's PATH: another version rebuilds (strategies.py)
     if (venv_bin / "ninja").exists() and not os.environ.get("PATH", "").startswith(f"{venv_bin}:"):
         os.environ["PATH"] = f"{venv_bin}:{os.environ.get('PATH', '')}"
@@ -156,10 +158,10 @@ def load_cpp(verbose: bool = False) -> None:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         try:
-            cpp_extension.load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", *flags],
-                               extra_ldflags=["-fopenmp"], extra_cuda_cflags=cuda_flags, with_cuda=bool(toolkit),
-                               build_directory=str(build_dir),
-                               is_python_module=False, verbose=verbose)
+            with noted_build(f"gelu_ext {name}", build_dir / f"{name}.so"):
+                cpp_extension.load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", *flags],
+                                   extra_ldflags=["-fopenmp"], extra_cuda_cflags=cuda_flags, with_cuda=bool(toolkit),
+                                   build_directory=str(build_dir), is_python_module=False, verbose=verbose)
         except (RuntimeError, OSError) as e:
             raise GeluBuildError(f"building the gelu_ext C++ extension in {build_dir} failed: {e}. "
                                  "Fix: read the compiler output above; delete that folder to rebuild from scratch"

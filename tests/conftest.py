@@ -25,6 +25,8 @@ from core.run import warm_python  # noqa: E402 (the repository's, on the path ab
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")
     atexit.register(shutil.rmtree, os.environ["FABRIC_LAB_CACHE"], ignore_errors=True)  # after the workers have ended
+    # every extension build of the suite's processes adds a line here (extension_compiler.noted_build)
+    os.environ["FABRIC_LAB_BUILD_LOG"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "builds.jsonl")
 
 
 # pytest-xdist's workers share the machine's cores: each worker's processes take cores / workers threads, where
@@ -231,6 +233,27 @@ def pytest_configure(config):
                             "of its own); `make test-fast` leaves them out, `make test` runs them")
     config.addinivalue_line("markers", "builds: compiles an op that `make setup` leaves to its first use (minutes in a "
                             "fresh checkout); started first, so that its compiler runs beside the rest of the suite")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's time on a new machine, foreseeable: its five slowest tests and the builds it made (a fresh .venv
+    compiles DeepSpeed's ops and the GELU's kernels the first time a test needs them; `make setup` builds some)."""
+    seconds: dict = {}  # a test's set-up (its fixtures' runs), call and teardown
+    for kind in ("passed", "failed", "error", "skipped"):
+        for r in terminalreporter.stats.get(kind, []):
+            if hasattr(r, "duration") and hasattr(r, "nodeid"):
+                seconds[r.nodeid] = seconds.get(r.nodeid, 0.0) + r.duration
+    if not seconds or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("slowest 5 tests: " + "; ".join(f"{s:.0f} s {nodeid.split('::')[-1]}"
+                                          for nodeid, s in sorted(seconds.items(), key=lambda item: -item[1])[:5]))
+    log = Path(os.environ.get("FABRIC_LAB_BUILD_LOG", "/nonexistent"))
+    builds = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    write(f"builds: {sum(b['seconds'] for b in builds):.0f} s in {len(builds)} ("
+          + (", ".join(f"{b['build']} {b['seconds']:.0f} s" for b in builds) or "none: every extension was built")
+          + "; each inside the tests' time)")
 
 
 def pytest_collection_modifyitems(items):

@@ -122,8 +122,12 @@ def build_cpu_op(name: str) -> None:
     if builder is None or not builder.is_compatible(verbose=False):
         print(f"note: DeepSpeed's {name} cannot be built here; runs that need it will say so")
         return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    output = Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so"
     try:
-        with extension_compiler.precompiled_torch_header(builder.name) if name in PRECOMPILED_OPS else nullcontext():
+        with extension_compiler.precompiled_torch_header(builder.name) if name in PRECOMPILED_OPS else nullcontext(), \
+                extension_compiler.noted_build(f"DeepSpeed {builder.name}", output):
             builder.load(verbose=False)
         print(f"built DeepSpeed's {builder.name}")
     except Exception as e:  # the run that needs it will build it again and fail with DeepSpeed's own message

@@ -16,11 +16,13 @@ An op of two or three sources would lose: the precompiled header costs two sourc
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HEADER = "torch/extension.h"
@@ -46,6 +48,21 @@ def install() -> None:
         temporary.write_text(script)
         temporary.chmod(0o755)
         temporary.replace(venv_cxx)
+
+
+BUILD_LOG = "FABRIC_LAB_BUILD_LOG"  # a file: each build made while it is set adds a line (the suite sums them)
+
+
+@contextlib.contextmanager
+def noted_build(name: str, output: Path):
+    """Within: an op loaded (built if it must be); when `output` (its shared library) was made or remade meanwhile,
+    its seconds are added to $FABRIC_LAB_BUILD_LOG, where set: `make test` ends with the time its builds took."""
+    before, started = output.stat().st_mtime if output.exists() else None, time.time()
+    yield
+    log = os.environ.get(BUILD_LOG)
+    if log and output.exists() and output.stat().st_mtime != before:
+        with open(log, "a") as f:  # one short line in append mode: whole, whichever process writes it
+            f.write(json.dumps({"build": name, "seconds": round(time.time() - started, 1)}) + "\n")
 
 
 @contextlib.contextmanager
