@@ -142,7 +142,9 @@ def load_cpp(verbose: bool = False) -> None:
         hide_the_cuda_home_guess()
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
 
-    from core.run.extension_compiler import noted_build
+    from core.host.extension_compiler import install, noted_build
+
+    install()  # the venv's c++ (its script names this checkout's compiler wrapper, which may have moved)
 
     venv_bin = Path(sys.prefix) / "bin"  # its ninja, whatever the shell's PATH: another version rebuilds (strategies.py)
     if (venv_bin / "ninja").exists() and not os.environ.get("PATH", "").startswith(f"{venv_bin}:"):

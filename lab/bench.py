@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.run import warm_python
+from core.host import warm_python
 from core.run.checkpoints import read_record
 from core.run.files import write_json_atomic
 from core.run.hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps

@@ -133,7 +133,7 @@ def lab(args) -> int:
     # 10-15 s a stage and a benchmark case again): what they measure is time, and a fork trains at a real
     # interpreter's speed (docs/lab.md). bench-gpt's table reports each run's memory, which in a fork would count the
     # server's pages, and CUDA in a forked child is untried here: those stages start real interpreters.
-    from core.run import warm_python
+    from core.host import warm_python
 
     started = time.time()
     print(f"lab: {len(stages)} stages into {runs}/ (logs in {runs / LOGS}/); finished stages are skipped"

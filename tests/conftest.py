@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from core.run import warm_python  # noqa: E402 (the repository's, on the path above)
+from core.host import warm_python  # noqa: E402 (the repository's, on the path above)
 
 # device_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
 # pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)

@@ -16,7 +16,7 @@ import fabric_gpt as gpt
 from conftest import (EXACT, REPO, TWO_PROCESS, fill, losses, read_summary, record, run_in_process, run_script,
                       sized_disk, wait_for_checkpoint)
 from core.plan import disk
-from core.run import warm_python
+from core.host import warm_python
 from core.run.checkpoints import room_needed
 
 TINY = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu"]

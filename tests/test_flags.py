@@ -14,7 +14,8 @@ import fabric_gpt
 import fabric_lenet
 from conftest import REPO
 from core.gpt import hf_export, text_corpus
-from core.run import flags, warm_python
+from core.host import warm_python
+from core.run import flags
 from gelu_ext import __main__ as gelu_main
 from lab import bench, gpu_check, nanogpt_reference, report, sample, step_profile
 from lab import stages as lab

@@ -19,7 +19,8 @@ from conftest import (EXACT, REPO, SMALL, TWO_PROCESS, free_port, host_reads, lo
                       run_nodes, run_script, shared_dir, sized_disk)
 from core.gpt import gpt_model, strategies
 from core.plan import accounting, comm_counter, gpt_figures, perf_model
-from core.run import hardware, layout, measurements, warm_python
+from core.host import warm_python
+from core.run import hardware, layout, measurements
 
 
 # A learnable sequence (each token is the previous + 1), so a wrong update would show in the losses.

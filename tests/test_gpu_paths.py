@@ -15,7 +15,7 @@ import torch
 import fabric_gpt as gpt
 from conftest import run_in_process, run_script
 from core.gpt import strategies
-from core.run import extension_compiler, hardware
+from core.host import extension_compiler, hardware
 from fabric_lenet import Config as LenetConfig
 from fabric_lenet import LeNet5
 from lab import bench, gpu_check

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, run_in_process
-from core.run import warm_python
+from core.host import warm_python
 from fabric_lenet import Config, steps_per_epoch
 from lab import gpu_check
 from lab import stages as lab
@@ -117,7 +117,7 @@ def test_bench_gpt_in_the_lab_runs_its_ranks_real_under_a_warm_agent(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text("import os, sys, psutil; agent = ' '.join(psutil.Process(os.getppid()).cmdline())\n"
                       "print(os.environ['RANK'], sys.executable, 'warm_python.py' in agent, file=sys.stderr)")
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from lab import bench; from core.run import warm_python; "
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from lab import bench; from core.host import warm_python; "
             f"print(warm_python.at_hand() is not None, bench.run({str(script)!r}, [], ranks=2))")
     env = {**os.environ, warm_python.SHARED: warm_python.executable()}
     lab_like = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)

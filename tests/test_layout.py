@@ -15,8 +15,8 @@ from conftest import REPO
 # of lower floors, never a unit beside it on its floor or above it.
 FLOORS = [
     # the package's map (it imports nothing); the run's lifecycle and processes: flags, layout, the machine, ranks,
-    # stops, files, checkpoints
-    ["core/__init__.py", "core/run"],
+    # stops, files, checkpoints; the host's tools beside any run: a warm python, the extensions' compiler
+    ["core/__init__.py", "core/run", "core/host"],
     ["core/gpt", "core/lenet"],  # GPT-2 and its parallelisms; LeNet-5's figures and CPU speed work
     ["core/plan"],  # the plan and its measurements
     ["datasets_local.py", "gelu_ext"],  # the hand-written parts the course asks for

@@ -12,7 +12,8 @@ import fabric_lenet
 from conftest import REPO, read_summary, run_in_process, run_script
 from core.lenet import cpu_speed
 from core.lenet import figures as lenet_figures
-from core.run import hardware, warm_python
+from core.host import warm_python
+from core.run import hardware
 from datasets_local import BACKGROUND, random_shift
 from fabric_lenet import Config, LeNet5, epoch_order
 

@@ -12,7 +12,8 @@ from test_resume import assert_same_run
 
 from conftest import (free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes,
                       wait_for_checkpoint)
-from core.run import ranks, warm_python
+from core.host import warm_python
+from core.run import ranks
 
 LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
          "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, read_summary, run_in_process, run_script, shared_dir, wait_for_checkpoint
-from core.run import warm_python
+from core.host import warm_python
 
 # 2 epochs of 47 steps (batch 128); a checkpoint every 8 steps, so a cut lands mid-epoch and the resume crosses an
 # epoch boundary; default precision (bf16 autocast) and augmentation.

@@ -16,7 +16,7 @@ import torch
 import fabric_gpt as gpt
 from conftest import REPO, run_in_process, run_script
 from core.gpt import text_corpus as tc
-from core.run import warm_python
+from core.host import warm_python
 from lab import bench
 
 

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 from conftest import REPO
-from core.run import warm_python
+from core.host import warm_python
 
 SHOW = "import sys, torch; print(sys.argv[1:], sys.path[0], __name__, torch.get_num_threads()); print('err', file=sys.stderr)"
 
@@ -31,7 +31,7 @@ def test_a_command_sees_what_a_real_interpreter_gives_it(tmp_path):
 
 def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():
     """lab.bench run by a test, or any warm child, hands device_probe's fixed-cost jobs to the server it came from."""
-    code = ("import sys; from core.run import warm_python; print(warm_python.executable() == sys.executable, "
+    code = ("import sys; from core.host import warm_python; print(warm_python.executable() == sys.executable, "
             "warm_python._client, warm_python.at_hand() == sys.executable)")
     assert run("-c", code).stdout == "True None True\n"
     assert warm_python.is_client(warm_python.executable()) and not warm_python.is_client(warm_python.REAL)
@@ -40,12 +40,12 @@ def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():
 def test_a_real_interpreter_handed_a_client_starts_its_jobs_there():
     """make lab's bench-gpt stage runs a real interpreter (its cases' memory) whose probes go to the lab's server:
     handed a client it takes it and starts no server; handed anything else, it would start its own."""
-    code = "from core.run import warm_python; print(warm_python.executable(), warm_python._client)"
+    code = "from core.host import warm_python; print(warm_python.executable(), warm_python._client)"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     handed = subprocess.run([warm_python.REAL, "-c", code], cwd=REPO, capture_output=True, text=True,
                             env={**env, warm_python.SHARED: warm_python.executable()})
     assert handed.stdout == f"{warm_python.executable()} None\n", handed.stderr
-    not_a_client = subprocess.run([warm_python.REAL, "-c", "from core.run import warm_python; print(warm_python.is_client("
+    not_a_client = subprocess.run([warm_python.REAL, "-c", "from core.host import warm_python; print(warm_python.is_client("
                                    "warm_python.os.environ[warm_python.SHARED]))"], cwd=REPO, capture_output=True,
                                   text=True, env={**env, warm_python.SHARED: warm_python.REAL})
     assert not_a_client.stdout == "False\n", not_a_client.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.run import extension_compiler
+from core.host import extension_compiler
 from core.run.flags import ConfigError
 from core.run.hardware import hide_the_cuda_home_guess
 from core.run.layout import saved_config

@@ -195,7 +195,7 @@ def _run_minimal(script: str, argv: list[str]) -> float:
     """The minimal run's step time. Its processes are forked from a warm python (warm_python.py): the job is a few
     seconds of steps after 10-20 s of imports a process, twenty times in a lab's first bench (AVX2 EPYC: 7 s a job
     instead of 25, the step time the same within its run-to-run spread)."""
-    from core.run import warm_python
+    from core.host import warm_python
 
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT", "NODE_RANK", "FABRIC_LAB_LAUNCHER")}

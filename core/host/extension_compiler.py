@@ -41,8 +41,10 @@ def install() -> None:
     if not real:
         return
     python = Path(sys.prefix) / "bin" / "python"  # not sys.executable, which may be a warm_python client for a while
-    script = (f"#!/bin/sh\n# torch extensions built in this venv: {Path(__file__).name}\n"
-              f'exec "{python}" -I -S "{Path(__file__).resolve()}" "{real}" "$@"\n')
+    here = Path(__file__).resolve()  # a checkout that moved it leaves the system's compiler, not a broken one
+    script = (f"#!/bin/sh\n# torch extensions built in this venv: {here.name}\n"
+              f'[ -f "{here}" ] || exec "{real}" "$@"\n'
+              f'exec "{python}" -I -S "{here}" "{real}" "$@"\n')
     if not venv_cxx.exists() or venv_cxx.read_text() != script:
         temporary = venv_cxx.with_suffix(f".{os.getpid()}")
         temporary.write_text(script)

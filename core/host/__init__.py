@@ -1,0 +1,2 @@
+"""The host machine's own tools, beside a run rather than part of it: a warm python for short jobs started by the
+dozen (the suite, the lab, the plan's probe) and the compiler torch's extensions build with."""
