@@ -111,8 +111,11 @@ def bench_lenet(args) -> None:
         cases[f"default_seed{seed}"] = ["--seed", str(seed)]
         cases[f"short_seed{seed}"] = [*SHORT_RECIPE, "--seed", str(seed)]
     results, reuse = {}, {"default_seed0": args.default_run} if default_recipe_run(args.default_run) else {}
+    plain = {}  # the plain loop in both precisions, alternated with the default recipe's seeds (issue 77's race)
     for name in progress(list(cases), "lenet bench"):
         started = time.time()
+        if name.startswith("default_seed") and args.race_epochs:
+            plain[name] = race_plain_loop(out / f"plain-{name.removeprefix('default_')}", args.race_epochs)
         if name in reuse:
             print(f"{name}: taken from {reuse[name]}, a finished run of the same recipe (not trained again)", flush=True)
         else:
@@ -145,8 +148,41 @@ def bench_lenet(args) -> None:
         spread = f"{100 * m['acc_std']:.2f}" if args.seeds > 1 else "n/a"
         lines.append(f"| {recipe} | `{flags}` | {100 * m['acc_mean']:.2f}% ± {spread} | {100 * m['acc_min']:.2f}% | "
                      f"{m['train_s_mean']:.1f} | {m['samples_per_s_mean']:,.0f} | {m['samples_per_s_mean'] / base:.1f}x | {t99} |")
+    if plain:
+        lines += race_table(results, plain, auto)
     write_results(out, lines, {"cpu": cpu_label(), "results": results, "recipes": summary,
-                               "short_recipe": SHORT_RECIPE, "seeds": args.seeds})
+                               "short_recipe": SHORT_RECIPE, "seeds": args.seeds, "plain_loop": plain})
+
+
+def race_plain_loop(folder: Path, epochs: int) -> dict:
+    """lenet_reference.py, the plain preloaded loop (batch 256, AdamW, one-cycle, no augmentation, NCHW), in float32
+    and under bf16 autocast: its samples/s over `epochs` epochs (its speed is steady from the first)."""
+    result = {}
+    for precision in ("32-true", "bf16-mixed"):
+        record = folder / f"{precision}.json"
+        code, last = run("-m lab.lenet_reference", ["--precision", precision, "--epochs", epochs, "--out", record])
+        if code:
+            sys.exit(f"error: lenet_reference.py {precision} failed: {last}")
+        result[precision] = json.loads(record.read_text())
+    return result
+
+
+def race_table(results: dict, plain: dict, auto: str) -> list:
+    """fabric_lenet.py's default run against the faster precision of the plain loop, seed by seed in one sitting: the
+    issue's goal is 1.5x with 99.3% on every seed."""
+    lines = ["", "The default run against a plain preloaded PyTorch loop (`python -m lab.lenet_reference`: batch 256, "
+             "AdamW, one-cycle, no augmentation), run just before it, seed by seed:", "",
+             f"| seed | default ({auto}) samples/s | test acc | plain float32 | plain bf16 | vs the faster plain |",
+             "|---|---|---|---|---|---|"]
+    ratios = []
+    for name, loop in plain.items():
+        r, fast = results[name], max(p["samples_per_s"] for p in loop.values())
+        ratios.append(r["samples_per_s"] / fast)
+        lines.append(f"| {name.removeprefix('default_seed')} | {r['samples_per_s']:,.0f} | {100 * r['test_acc']:.2f}% | "
+                     f"{loop['32-true']['samples_per_s']:,.0f} | {loop['bf16-mixed']['samples_per_s']:,.0f} | "
+                     f"{ratios[-1]:.2f}x |")
+    lines += ["", f"median {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}; goal 1.5x)"]
+    return lines
 
 
 # The shortest recipe to 99.0% found: no augmentation (it slows early progress), 2 epochs of one-cycle at batch 192,
@@ -410,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: 400)")
     lenet.add_argument("--seeds", type=number(int, min=1, max=1000), default=5, help="seeds of the default and the "
                        "short recipe (default: 5)")
+    lenet.add_argument("--race-epochs", type=number(int, min=1, zero=True), default=2, help="epochs of the plain loop "
+                       "raced before each default seed, in each precision (0: no race; default: 2)")
     lenet.add_argument("--default-run", default="", type=Folder(optional=True), help="a finished run of the default "
                        "recipe at seed 0, taken as default_seed0 (make lab's lenet-relu) unless its settings differ")
     lenet.add_argument("extra", nargs="*", help="more fabric_lenet.py flags, after -- (checked by its parser)")

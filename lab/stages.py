@@ -71,7 +71,7 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
     stages += [lenet(ACTIVATIONS[0]), Stage("gelu-check", ["-m", "gelu_ext", "check", "--out", runs / "gelu"], "gelu/check.json")]
     stages += [lenet(act) for act in ACTIVATIONS[1:]]
     stages += [Stage("bench-gelu", ["-m", "gelu_ext", "bench", "--repeats", "7", "--out", runs / "gelu"], "gelu/bench.json"),
-               Stage("bench-lenet", ["-m", "lab.bench", "--out-dir", runs, "--keep", "lenet", "--seeds", "1", "--default-run",
+               Stage("bench-lenet", ["-m", "lab.bench", "--out-dir", runs, "--keep", "lenet", "--seeds", "1", "--race-epochs", "1", "--default-run",
                                      runs / f"lab-lenet-{ACTIVATIONS[0]}"], "bench-lenet/bench.json")]
     # GPT-2 on Shakespeare with nanoGPT's CPU recipe (docs/text.md): the report's curves, a model to sample from
     # (the later --accelerator wins over the recipe's cpu, as lab.bench's later --precision does)
