@@ -26,7 +26,7 @@ import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
-from core.gpt import hf_export, strategies, text_corpus
+from core.gpt import hf_export, strategies, swap_files, text_corpus
 from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, count_parameters,
                                  resolve_attention)
 from core.plan import accounting, disk, gpt_figures, gpu_efficiency, perf_model, published
@@ -40,6 +40,8 @@ from core.run.ranks import check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+NVME_RESUME = ("a run with --nvme-path does not resume (DeepSpeed restores no AdamW state from its checkpoints: "
+               "docs/limits.md): free space and start it again under another --run-name")
 
 
 @dataclass
@@ -560,7 +562,7 @@ def main(argv=None) -> dict:
         on_disk = disk_plan(cfg)
         run = Run(fabric, cfg, "gpt", state, stop, check_config=lambda saved: check_resume(saved, cfg),
                   per_rank_checkpoints=cfg.layout.pipeline, identity=text_identity(cfg),
-                  checkpoint_bytes=on_disk["checkpoint"])
+                  checkpoint_bytes=on_disk["checkpoint"], not_resumable=NVME_RESUME if cfg.nvme_path else "")
         run.start()  # resume from the newest good checkpoint, or start
         announce(run, n_params, peak, attn, on_disk)
         timing = train(run, model, optimizer, loader, take_step, accounting.flops_per_token(cfg, n_params),
@@ -596,6 +598,8 @@ def setup_model(fabric: Fabric, cfg: Config):
         model, optimizer = fabric.setup(model, make_optimizer(cfg, model))  # DeepSpeed: one engine
     if not cfg.layout.deepspeed:  # DeepSpeed keeps offloaded partitions on the CPU by design
         strategies.check_placement(strategies.local_module(model, cfg), fabric.device)
+    if cfg.nvme_path:  # the float32 partition, swapped out as the model was set up
+        swap_files.note_if_short(fabric, cfg.nvme_path)
     setup_peak = accounting.peak_memory(fabric.device)
     return_freed_host_memory()
     accounting.reset_peak_memory(fabric.device)
@@ -606,6 +610,8 @@ def steps_of_the_strategy(fabric: Fabric, cfg: Config, model):
     """(take_step, evaluate_now or None): the optimizer step of the strategy (a pipeline's schedule drives its
     stages), and a text run's validation loss over its fixed windows."""
     take_step, schedule = step_deepspeed if cfg.layout.deepspeed else step_data_parallel, None
+    if cfg.nvme_path:  # a swap file written short on a full disk is noted before the next swap-in reads it
+        take_step = lambda run, *a: (step_deepspeed(run, *a), swap_files.note_if_short(fabric, cfg.nvme_path))[0]  # noqa: E731
     if cfg.layout.pipeline:
         # the stage itself, not Fabric's wrapper: the schedule runs backward through autograd.grad, which
         # the wrapper refuses under mixed precision; step_pipeline applies Fabric's autocast instead

@@ -24,6 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 import datasets_local
 from core.lenet import cpu_speed, figures, whole_step
+from core.plan import disk
 from core.run import flags
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
@@ -367,10 +368,17 @@ def validate(cfg: Config) -> dict | None:
         from gelu_ext import load_cpp
 
         load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
+    probe = None
     if cfg.precision == "auto":  # resolved here, so config.json and resume compare the precision that ran
         cfg.precision, probe = cpu_speed.lenet_precision(cfg, lambda: LeNet5(cfg))
-        return probe
-    return None
+    disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint and the first epoch's figures fit, or no step is taken
+    return probe
+
+
+def disk_plan(cfg: Config) -> dict:
+    """The bytes this run writes (core/plan/disk.py) beside its folder's free space."""
+    params = list(LeNet5(cfg).parameters())
+    return disk.lenet_disk_plan(cfg, sum(p.numel() for p in params), len(params))
 
 
 def check_whole_step(cfg: Config) -> None:
@@ -417,9 +425,11 @@ def main(argv=None) -> dict:
         model, optimizer = fabric.setup(model, optimizer)
         progress = Progress(epoch=0, step_in_epoch=0, global_step=0, loss_sum=0.0, loss_count=0,
                             train_time_s=0.0, history=[])
+        on_disk = disk_plan(cfg)
         run = Run(fabric, cfg, "lenet", dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress),
-                  stop)
+                  stop, checkpoint_bytes=on_disk["checkpoint"])
         fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
+        disk.print_disk_plan(cfg, on_disk, fabric.print)
         if cfg.cuda_graph and fabric.device.type != "cuda":
             fabric.print(f"CUDA graph: not captured on {fabric.device.type}; the whole step runs as the same static program")
         if fabric.device.type != "cuda" and (graphs := cuda_graphs(cfg.compile, cfg.compile_mode, fabric.device)):

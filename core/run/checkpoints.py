@@ -88,12 +88,14 @@ def damaged_files(path: Path) -> str | None:
 class Checkpoints:
     """Numbered, atomically written checkpoints in one folder, keeping the newest `keep_last`."""
 
-    def __init__(self, folder, keep_last: int = 3, per_rank_files: bool = False, planned_bytes: float = 0.0):
+    def __init__(self, folder, keep_last: int = 3, per_rank_files: bool = False, planned_bytes: float = 0.0,
+                 not_resumable: str = ""):
         # per_rank_files: each rank writes its own torch.save file, for models Fabric cannot save (pipeline
         # stages hold plain tensors, which ModelParallelStrategy's distributed checkpoint refuses).
         # planned_bytes: one checkpoint, all ranks' files (core/plan/disk.py), checked against the free space first
+        # not_resumable: why a run of these settings cannot continue from its checkpoints, and what to do instead
         self.folder, self.keep_last, self.per_rank_files = Path(folder), keep_last, per_rank_files
-        self.planned_bytes = planned_bytes
+        self.planned_bytes, self.not_resumable = planned_bytes, not_resumable
 
     def _write(self, fabric, path: Path, state: dict) -> BaseException | None:
         """Write this rank's part; a full disk is returned (any other error raised) once this rank has been through
@@ -186,15 +188,21 @@ class Checkpoints:
         if fabric.world_size > 1 and not self.planned_bytes:
             need = float(fabric.all_reduce(torch.tensor(float(need), device=fabric.device), reduce_op="sum"))
         free = free_bytes(self.folder) if free is None else free
-        last = self.complete()
-        kept = (f"the last complete checkpoint, {last[-1]}, is intact: free space (or move --out-dir) and continue with "
-                f"--resume auto --run-name {self.folder.parent.name}") if last else \
-            "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
         how = f"a write failed: {why_full(problem)}" if problem else "found before writing"
         margin = f", less than the {self.needed() / 2**20:,.1f} MiB kept for it" if self.planned_bytes and not problem else ""
         return (f"no space left to write the checkpoint of step {step} into {self.folder}: it needs about "
                 f"{need / 2**20:,.1f} MiB and the disk has {free / 2**20:,.1f} MiB free{margin} ({how}). "
-                f"{'The partial checkpoint was removed; ' if problem else 'Nothing was written; '}{kept}")
+                f"{'The partial checkpoint was removed; ' if problem else 'Nothing was written; '}{self.kept()}")
+
+    def kept(self) -> str:
+        """The last complete checkpoint as it is on disk, and the command that continues from it."""
+        last = self.complete()
+        if not last:
+            return "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
+        if self.not_resumable:
+            return f"the last complete checkpoint, {last[-1]}, is intact, but {self.not_resumable}"
+        return (f"the last complete checkpoint, {last[-1]}, is intact: free space (or move --out-dir) and continue with "
+                f"--resume auto --run-name {self.folder.parent.name}")
 
     def resolve(self, resume: str) -> list[Path]:
         """Candidates for --resume, newest first: `auto` lists this run's checkpoints, a path names one."""

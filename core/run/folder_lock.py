@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from core.run import full_disk
 from core.run.flags import ConfigError
 
 NAME = ".run.lock"
@@ -67,10 +68,12 @@ def hold(folder) -> str | None:
     else:
         os.close(fd)
         return (folder / NAME).read_text().strip() or "another process"
-    os.ftruncate(fd, 0)
-    os.write(fd, f"process {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                 f"{' '.join(sys.argv)[:300]}".encode())
     _held[key] = fd
+    os.ftruncate(fd, 0)
+    name = (f"process {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+            f"{' '.join(sys.argv)[:300]}")
+    # held all the same when the disk has no room for the name (the run stops on it once its ranks meet)
+    full_disk.guarded(f"the run's lock file {NAME}", folder, lambda: os.write(fd, name.encode()))
     return None
 
 

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from core.run import flags, folder_lock
+from core.run import flags, folder_lock, full_disk, outputs
 from core.run.checkpoints import RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files, read_record
 from core.run.files import DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name
-from core.run.ranks import LOST_PEER, PeerWatch, any_rank, first_process, global_rank, launcher, watch_peers, watch_ranks
+from core.run.ranks import (AGREED_END, LOST_PEER, PeerWatch, any_rank, first_process, global_rank, launcher, watch_peers,
+                             watch_ranks)
 from core.run.step_watch import NonFiniteLoss
 from core.run.stops import Stopped, StoppedAtOnce, StopRequest, requeue_slurm_job, say
 
@@ -70,11 +71,18 @@ def exits(*errors):
     line naming it, and a clean stop in 128 + the signal number (0 for a SLURM requeue). Yields the run's
     StopRequest: once main() calls its listen(), a signal saves and stops the run (stops.py)."""
     PeerWatch.current = None
+    AGREED_END.clear()
+    full_disk.clear()
+    full_disk.quiet_threads()  # TensorBoard's writer thread meeting a full disk: noted, without its traceback
+    console = outputs.guard_console()  # stdout and stderr on the disk that filled: noted too
     stop = StopRequest()
     try:
         yield stop
+        if (noted := full_disk.noted()) is not None:  # met after the last point where the ranks met (the summary)
+            raise DiskFull(full_disk.message(noted))
         end_process_group()
     except (folder_lock.FolderBusy, DiskFull) as e:  # every rank of the run stops on it: rank 0 says so, once
+        AGREED_END.set()  # the other ranks end with this one: their exits are no news to the rank watch
         sys.exit(f"error: {e}" if global_rank() == 0 else 1)
     except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
         sys.exit(f"error: {e}")
@@ -99,6 +107,7 @@ def exits(*errors):
     finally:
         stop.close()
         folder_lock.release_all()
+        outputs.restore(console)
 
 
 def end_process_group() -> None:
@@ -123,10 +132,12 @@ def exit_without_teardown():
     except SystemExit as e:
         code = e.code
     if isinstance(code, str):
-        print(code, file=sys.stderr)
+        with contextlib.suppress(OSError):  # a console on a full disk says nothing more; the exit status still tells
+            print(code, file=sys.stderr)
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):
+            stream.flush()
     os._exit(0 if code is None else code if isinstance(code, int) else 1)
 
 
@@ -190,9 +201,8 @@ class Run:
     train() receives this object as its context."""
 
     def __init__(self, fabric, cfg, kind: str, state: dict, stop: StopRequest, check_config=None,
-                 per_rank_checkpoints: bool = False, identity: dict | None = None, checkpoint_bytes: float = 0.0):
-        from lightning.fabric.loggers import TensorBoardLogger
-
+                 per_rank_checkpoints: bool = False, identity: dict | None = None, checkpoint_bytes: float = 0.0,
+                 not_resumable: str = ""):
         self.fabric, self.cfg, self.kind, self.state = fabric, cfg, kind, state
         self.runtime_fields, self.added_fields = flags.runtime_fields(cfg), flags.recorded_since(cfg)
         self.identity = identity or {}  # what the run depends on beside its flags (a corpus, a tokenizer): by content
@@ -202,8 +212,10 @@ class Run:
                                                                                  f"{datetime.now():%Y%m%d-%H%M%S}"))
         self.dir = Path(cfg.out_dir) / cfg.run_name
         self.hold_folder()
-        self.logger = TensorBoardLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
-        self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints, checkpoint_bytes)
+        self.logger = outputs.EventLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
+        self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints, checkpoint_bytes,
+                                 not_resumable)
+        full_disk.continue_with(self.ckpts.kept)  # a full disk met anywhere names the last checkpoint on disk
         self.last_checkpoint: Path | None = None
         self.stop = stop  # requested() at step boundaries; its signal names the stop
         fabric.print(f"config: {self.config()}")
@@ -214,7 +226,7 @@ class Run:
     def hold_folder(self) -> None:
         """Rank 0 takes the run folder's lock before anything is written into it; every rank stops if another
         process holds it (two runs started together, both past find_run's look)."""
-        who = folder_lock.hold(self.dir) if self.fabric.global_rank == 0 else None
+        who = folder_lock.hold(self.dir) if self.fabric.global_rank == 0 else None  # its name on a full disk: noted
         if any_rank(self.fabric, who is not None)[0]:
             raise folder_lock.FolderBusy(folder_lock.busy_message(self.dir, self.fabric.broadcast(who)))
 
@@ -242,12 +254,17 @@ class Run:
             self.last_checkpoint = loaded
             fabric.print(f"resumed from {loaded}")
         if fabric.is_global_zero:
-            write_json_atomic(self.dir / "config.json", self.config())
+            full_disk.guarded("the run's config.json", self.dir, lambda: write_json_atomic(self.dir / "config.json",
+                                                                                           self.config()))
             # Open TensorBoard's writer now: made lazily, at the first logged step, its import and file
             # creation (about 40 ms on the Xeon) were counted as training time, 1% of the short LeNet-5 recipe.
             _ = self.logger.experiment
+        full_disk.agree(fabric)  # the disk filled while the model was built: every rank stops here
 
     def save(self, step: int) -> Path:
+        if self.fabric.is_global_zero:  # the events so far on disk with the checkpoint (a full disk there is noted)
+            self.logger.save()
+        full_disk.agree(self.fabric)  # a write since the last step boundary met a full disk: no save, every rank stops
         with PeerWatch.current.busy() if PeerWatch.current else contextlib.nullcontext():
             self.last_checkpoint = self.ckpts.save(self.fabric, self.state, step, self.config())
         return self.last_checkpoint
@@ -280,6 +297,7 @@ class Run:
             PeerWatch.current.finish()
         if self.stop.signal_name:  # it came after the last step: the run ends as it would have
             self.fabric.print(f"{self.stop.signal_name} received after the last step: the record was written first")
+        full_disk.agree(self.fabric)
         if not trained and (earlier := read_record(self.dir)) is not None:
             self.fabric.print(f"no step trained: {self.dir / RECORD} of the earlier run is kept as it is")
             return earlier
@@ -292,7 +310,7 @@ class Run:
                                f"checkpoint, {self.last_checkpoint}, is intact: free space and run again with "
                                f"--resume auto --run-name {self.cfg.run_name} to write the record")
             self.logger.log_hyperparams(dataclasses.asdict(self.cfg), metrics)
-            self.logger.finalize("success")
+            self.logger.finalize("success")  # events that meet a full disk here: the record is written, exits says it
         return record
 
 

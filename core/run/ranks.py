@@ -8,6 +8,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 
 from core.run.flags import ConfigError
@@ -18,6 +19,9 @@ TORCHRUN, SRUN, BY_HAND, FABRIC = ("torchrun", "SLURM (srun)", "by hand (MASTER_
 # MASTER_ADDR/NODE_RANK (which it sets in this process too) are not mistaken for a launch by hand
 STARTED_BY = "FABRIC_LAB_LAUNCHER"
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}  # those a launcher forwards (stops.py)
+# set when every rank stops on one agreed error (a full disk, a busy folder; lifecycle.exits): another rank's exit
+# is then no news, and the watches below say nothing of it
+AGREED_END = threading.Event()
 
 
 def launcher(environ=None) -> str:
@@ -130,8 +134,6 @@ def launch(fabric, num_nodes: int, timeout: float) -> None:
     """fabric.launch(), whose rendezvous waits for every rank, bounded by `timeout` seconds: a node that was not
     started (or cannot reach node 0) ends the wait with one message naming the address and the launcher, instead
     of the process group's 30 minutes without a word. (Under torchrun the launcher meets first: see README.)"""
-    import threading
-
     import torch
 
     def give_up() -> None:
@@ -187,8 +189,6 @@ def watch_ranks(fabric, after) -> None:
     Rank 0 of a run Fabric launched watches the processes it started; each of those watches rank 0. Within a
     second of a death the watcher prints which rank died and how, with `after()` (the last checkpoint and the
     resume command), stops the others and exits 1. (Under torchrun or SLURM the launcher does this.)"""
-    import threading
-
     procs = list(getattr(fabric.strategy.launcher, "procs", None) or [])
     parent = os.getppid()
     launched_child = started_by_fabric()
@@ -196,6 +196,8 @@ def watch_ranks(fabric, after) -> None:
         return
 
     def stop(message: str) -> None:
+        if AGREED_END.is_set():  # this rank ends too, on the error every rank agreed (rank 0 says it)
+            return
         print(f"error: {message}. The other processes are stopped; {after()}", file=sys.stderr, flush=True)
         for p in procs:
             if p.poll() is None:
@@ -231,7 +233,6 @@ class PeerWatch:
     current: "PeerWatch | None" = None  # this process's watch, for run_main's message
 
     def __init__(self, fabric, after, num_nodes: int, timeout: float, tag: str):
-        import threading
         from datetime import timedelta
 
         from torch.distributed import TCPStore
@@ -299,6 +300,8 @@ class PeerWatch:
             return False
 
     def _stop(self, message: str) -> None:
+        if AGREED_END.is_set():
+            return
         print(f"error: {message}. This rank ({self.rank}) stops; {self.after()}", file=sys.stderr, flush=True)
         os._exit(1)
 

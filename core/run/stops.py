@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 
+from core.run import full_disk
 from core.run.ranks import STOP_SIGNALS, any_rank
 
 
@@ -83,8 +84,11 @@ class StopRequest:
 
     def requested(self, fabric, *other_flags: bool) -> tuple[bool, ...]:
         """(any rank signalled, *any rank's other_flags), agreed by all ranks in one small all-reduce; a requeue
-        asked on any rank is a requeue on all."""
-        stopping, requeue, *others = any_rank(fabric, self.signal_name is not None, self.requeue, *other_flags)
+        asked on any rank is a requeue on all. A full disk noted on any rank since (full_disk.py) stops every rank
+        here, with one message."""
+        stopping, requeue, full, *others = any_rank(fabric, self.signal_name is not None, self.requeue,
+                                                    full_disk.noted() is not None, *other_flags)
+        full_disk.stop_if_noted(fabric, full)
         if requeue and not self.requeue:
             self.signal_name, self.requeue = signal.Signals(self.requeue_signal).name, True
         if stopping and self.signal_name is None:
@@ -96,7 +100,7 @@ def whole_lines() -> None:
     """Under `python -u` or PYTHONUNBUFFERED (SLURM job scripts and the tests set it) print writes its text and its
     newline as two writes, and a handler's line (say) between them lands mid-line, in the line before. Line-buffered,
     a stream writes each line whole and still at once."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (getattr(s, "wrapped", s) for s in (sys.stdout, sys.stderr)):  # under outputs.Console
         if isinstance(stream, io.TextIOWrapper) and stream.write_through:
             try:
                 stream.reconfigure(write_through=False, line_buffering=True)
