@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXACT, REPO, TWO_PROCESS, losses, read_summary, run_script, sized_disk
-from core.run import warm_python
+from core.host import warm_python
 
 SEED = int(os.environ.get("FULL_DISK_SEED", "74"))
 DISK = 16 * 2**20  # every checkpoint kept (--keep-last 2, and one more while a save completes) and the run's files
