@@ -40,18 +40,23 @@ class ZeroPaddedConv2d(torch.nn.Conv2d):
 PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, inherited by the ranks it starts
 
 
+PROBE_VERSION = 2  # 2: 8 paired windows and a margin (1 measured 4 windows and took any lead: a moment's load decided)
+BF16_MARGIN = 1.05  # bf16 autocast is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
+
+
 def lenet_probe_key(cfg) -> dict:
     """What LeNet-5's step speed depends on: the CPU, the libraries, the threads a rank gets, the local batch
-    and the memory layout. A change of any of them measures again."""
-    return {"cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
+    and the memory layout. A change of any of them measures again, as does a new version of the probe."""
+    return {"probe": PROBE_VERSION, "cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
             "threads": rank_threads(cfg.devices), "local_batch": cfg.batch_size // cfg.layout.world,
             "channels_last": cfg.channels_last, "pad_channels": cfg.pad_channels, "activation": cfg.activation}
 
 
-def lenet_step_speeds(make_model, key: dict, windows: int = 4, steps: int = 2) -> dict:
+def lenet_step_speeds(make_model, key: dict, windows: int = 8, steps: int = 3) -> dict:
     """Samples/s of LeNet-5's training step (forward, loss, backward, fused AdamW) in float32 and under bf16
-    autocast, on random images of the run's shape: the median of 4 alternating windows of 2 steps, after 2
-    warm-up steps that include oneDNN's kernel set-up. About 0.5 s on 2 cores, once per machine and settings."""
+    autocast, on random images of the run's shape, in 8 alternating windows of 3 steps each (paired: a window of one
+    beside a window of the other), after 2 warm-up steps that include oneDNN's kernel set-up. About 1.5 s on 2
+    cores, once per machine and settings."""
     F = torch.nn.functional
     threads = torch.get_num_threads()
     torch.set_num_threads(key["threads"])
@@ -79,19 +84,30 @@ def lenet_step_speeds(make_model, key: dict, windows: int = 4, steps: int = 2) -
                 for _ in range(steps):
                     step(p)
                 times[p].append((time.perf_counter() - t0) / steps)
-        return {p: n / statistics.median(t) for p, t in times.items()}
+        return {p: [n / t for t in ts] for p, ts in times.items()}
     finally:
         torch.set_num_threads(threads)
 
 
+def faster_precision(windows: dict) -> str:
+    """bf16 autocast where it is clearly the faster (its median BF16_MARGIN above float32's and ahead in 3 of 4 paired
+    windows), else float32: a lead within the windows' spread is the machine's moment (another process's load
+    measured 7% for bf16 on a Xeon where it runs 21% slower quiet, 2026-11-28), and float32 needs no rounding."""
+    fp32, bf16 = windows["32-true"], windows["bf16-mixed"]
+    ahead = sum(b > f for f, b in zip(fp32, bf16))
+    clear = statistics.median(bf16) >= BF16_MARGIN * statistics.median(fp32) and 4 * ahead >= 3 * len(fp32)
+    return "bf16-mixed" if clear else "32-true"
+
+
 def choose_precision(key: dict, cache: Path, measure) -> dict:
-    """The faster of float32 and bf16 autocast for `key`: from the cache when it holds this key, else
-    measured (measure() -> {precision: samples/s}) and added to it. A file lock makes ranks started
-    together (torchrun) measure once and read the same answer."""
+    """float32 or bf16 autocast for `key` (faster_precision): from the cache when it holds this key, else measured
+    (measure() -> {precision: [samples/s of each window]}) and added to it. A file lock makes ranks started together
+    (torchrun) measure once and read the same answer."""
     def measure_entry() -> dict:
         started = time.perf_counter()
-        speeds = measure()
-        return {"choice": max(speeds, key=speeds.get), "samples_per_s": speeds, "key": key,
+        windows = measure()
+        return {"choice": faster_precision(windows), "key": key, "windows": windows,
+                "samples_per_s": {p: statistics.median(w) for p, w in windows.items()},
                 "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
 
     entry, was_cached = stored_or_measured(cache, json.dumps(key, sort_keys=True), measure_entry)
@@ -116,7 +132,7 @@ def probe_line(probe: dict) -> str:
     when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
     return (f"precision auto: {probe['choice']} (LeNet-5 step at batch {probe['key']['local_batch']}, "
             f"{probe['key']['threads']} thread(s): bf16 autocast {s['bf16-mixed']:,.0f} samples/s, float32 "
-            f"{s['32-true']:,.0f}; {when}; --precision forces one)")
+            f"{s['32-true']:,.0f}, bf16 taken only {BF16_MARGIN:.2f}x faster; {when}; --precision forces one)")
 
 
 def agree_on_precision(fabric, precision: str, probe: dict | None) -> None:
