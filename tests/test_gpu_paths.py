@@ -15,7 +15,8 @@ import torch
 import fabric_gpt as gpt
 from conftest import run_in_process, run_script
 from core.gpt import strategies
-from core.host import extension_compiler, hardware
+from core.host import extension_compiler
+from core.run import hardware
 from fabric_lenet import Config as LenetConfig
 from fabric_lenet import LeNet5
 from lab import bench, gpu_check
