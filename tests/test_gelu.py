@@ -213,3 +213,30 @@ def test_channels_last_keeps_its_layout_without_copies():
     torch.testing.assert_close(x.grad, ref.grad)
     torch.library.opcheck(torch.ops.gelu_ext.gelu_forward.default, (x.detach().double(), "tanh"))
     torch.library.opcheck(torch.ops.gelu_ext.gelu_backward.default, (torch.randn(3, 4).t(), torch.randn(3, 4).t(), "none"))
+
+
+def test_an_extension_needed_by_two_processes_at_once_is_built_and_counted_once(tmp_path, monkeypatch):
+    """make test's build line (extension_compiler.noted_build): two loaders of one op at once, as two tests of a
+    fresh checkout: the second waits for the first and finds it built; one build is logged, not two."""
+    import threading
+    import time
+
+    from core.host import extension_compiler
+
+    log, output = tmp_path / "builds.jsonl", tmp_path / "op" / "op.so"
+    monkeypatch.setenv(extension_compiler.BUILD_LOG, str(log))
+    made = []
+
+    def load():  # what torch's load does: build when the library is missing, else load it
+        with extension_compiler.noted_build("op", output):
+            if not output.exists():
+                time.sleep(0.3)
+                output.write_bytes(b"built")
+                made.append(1)
+    loaders = [threading.Thread(target=load) for _ in range(2)]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join()
+    lines = log.read_text().splitlines()
+    assert len(made) == 1 and len(lines) == 1 and '"build": "op"' in lines[0]

@@ -57,14 +57,19 @@ BUILD_LOG = "FABRIC_LAB_BUILD_LOG"  # a file: each build made while it is set ad
 
 @contextlib.contextmanager
 def noted_build(name: str, output: Path):
-    """Within: an op loaded (built if it must be); when `output` (its shared library) was made or remade meanwhile,
-    its seconds are added to $FABRIC_LAB_BUILD_LOG, where set: `make test` ends with the time its builds took."""
-    before, started = output.stat().st_mtime if output.exists() else None, time.time()
-    yield
-    log = os.environ.get(BUILD_LOG)
-    if log and output.exists() and output.stat().st_mtime != before:
-        with open(log, "a") as f:  # one short line in append mode: whole, whichever process writes it
-            f.write(json.dumps({"build": name, "seconds": round(time.time() - started, 1)}) + "\n")
+    """Within: an op loaded (built if it must be), one process at a time; when `output` (its shared library) was made
+    or remade meanwhile, its seconds are added to $FABRIC_LAB_BUILD_LOG, where set: `make test` ends with the time
+    its builds took. Processes that need the op together wait here for the first (torch's own lock would make them
+    wait inside the load, and each would then count the first one's build as its own)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output.parent / "fabric-lab-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        before, started = output.stat().st_mtime if output.exists() else None, time.time()
+        yield
+        log = os.environ.get(BUILD_LOG)
+        if log and output.exists() and output.stat().st_mtime != before:
+            with open(log, "a") as f:  # one short line in append mode: whole, whichever process writes it
+                f.write(json.dumps({"build": name, "seconds": round(time.time() - started, 1)}) + "\n")
 
 
 @contextlib.contextmanager
