@@ -21,6 +21,8 @@ import torch
 from core.run.files import PARTIAL, DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.ranks import any_rank
 
+NOTHING_KEPT = "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
+
 RECORD = "record.json"
 STEP_DIR = re.compile(r"step-(\d{8})$")
 MARGIN = 256 * 2**10  # bytes kept free beyond a planned checkpoint: a file system's pages and directory entries
@@ -198,7 +200,7 @@ class Checkpoints:
         """The last complete checkpoint as it is on disk, and the command that continues from it."""
         last = self.complete()
         if not last:
-            return "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
+            return NOTHING_KEPT
         if self.not_resumable:
             return f"the last complete checkpoint, {last[-1]}, is intact, but {self.not_resumable}"
         return (f"the last complete checkpoint, {last[-1]}, is intact: free space (or move --out-dir) and continue with "

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from core.run.checkpoints import NOTHING_KEPT
 from core.run.files import DiskFull, free_bytes, is_disk_full, why_full
 from core.run.ranks import any_rank
 
@@ -26,7 +27,6 @@ class Noted:
 
 _first: list[Noted] = []  # this process's first full disk, until the run stops on it
 _after: list = []  # what says how the run continues (lifecycle.Run's, once it exists)
-NOTHING_KEPT = "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
 
 
 def note(what: str, folder, error: BaseException) -> None:
