@@ -382,16 +382,16 @@ def checks(gpus: int, memory_gib: float) -> list[Check]:
     (LeNet-5's whole step, the GELU), so that a short lease sees them; then, with CHECKS=all, every row that passed
     on earlier GPUs."""
     single, nvme = ("gpt-single", tiny()), ("gpt-adamw", TINY_ADAMW)
-    big = lambda run, shape: lambda out: big_model_verdict(record(out, run))  # noqa: E731
+    big = lambda run: lambda out: big_model_verdict(record(out, run))  # noqa: E731
     table = [
         Check("gpt-1.6b", "GPT-2 1.6B, 1 GPU, make gpt's GPU defaults", [("gpt-1.6b", gpt_big("1.6b", memory_gib))],
-              big("gpt-1.6b", "1.6B"), goals=lambda out: [mfu_goal(record(out, "gpt-1.6b"), "1.6B (32 heads of 50)")],
+              big("gpt-1.6b"), goals=lambda out: [mfu_goal(record(out, "gpt-1.6b"), "1.6B (32 heads of 50)")],
               seconds=95, drop_checkpoints=True),
         Check("gpt-1.6b-plain", "GPT-2 1.6B without the GPU levers", [("gpt-1.6b-plain", gpt_big(
-            "1.6b", memory_gib, *PLAIN))], big("gpt-1.6b-plain", "1.6B"), goals=levers_goal, seconds=70,
+            "1.6b", memory_gib, *PLAIN))], big("gpt-1.6b-plain"), goals=levers_goal, seconds=70,
               drop_checkpoints=True),
         Check("gpt2-xl", "GPT-2 1558M (llm.c's 25 heads of 64), make gpt's GPU defaults", [("gpt2-xl", gpt_big(
-            "gpt2-xl", memory_gib))], big("gpt2-xl", "1558M"),
+            "gpt2-xl", memory_gib))], big("gpt2-xl"),
               goals=lambda out: [mfu_goal(record(out, "gpt2-xl"), "1558M (25 heads of 64)")], seconds=95,
               drop_checkpoints=True),
         Check("gpt-1.6b-plan", "GPT-2 1.6B planned from this GPU", [("gpt-1.6b-plan", [

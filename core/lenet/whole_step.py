@@ -43,6 +43,9 @@ class WholeStep:
         self.offsets = torch.full((epoch_steps, 2, local_batch), 2, dtype=torch.long, device=device)  # shifts
         self.lr, self.beta1 = (torch.zeros((), device=device) for _ in range(2))  # float32, as the scheduler's numbers
         self.graph, self.graph_loss, self.steps_run = None, None, 0
+        # AdamW's state made here, before any capture (inside one it would live in the graph's pool), or a resumed
+        # checkpoint's step counts moved to the device: the run loads its checkpoint before this step is built
+        graph_adamw.init_state(optimizer)
 
     def described(self) -> str:
         if self.graph is not None:
@@ -87,7 +90,6 @@ class WholeStep:
         if self.steps_run < WARM_UP:
             return self.on_side_stream(self.eager)
         self.optimizer.zero_grad(set_to_none=True)  # the backward in the graph allocates the gradients from its pool
-        graph_adamw.init_state(self.optimizer)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.graph_loss = self.program()
@@ -122,7 +124,6 @@ class WholeStep:
         weights = self.weights.index_select(0, at).view(-1)
         loss = (per_sample * weights).sum() / self.counts.index_select(0, at).view(())
         self.fabric.backward(loss)
-        graph_adamw.init_state(self.optimizer)  # a no-op once the state exists (always so when captured)
         graph_adamw.step(self.optimizer, self.lr, self.beta1)
         at.add_(1)
         return loss.detach()
