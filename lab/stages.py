@@ -113,6 +113,14 @@ def run_logged(args: list, log: Path, python: str | None = None, env: dict | Non
             return proc.wait()
 
 
+def print_stage_table(table: list) -> None:
+    """Each stage's seconds at the lab's end: where a lab's time went on this machine, at a glance."""
+    print("\n| stage | | s |\n|---|---|---|")
+    for name, how, seconds in table:
+        print(f"| {name} | {how} | {'' if seconds is None else f'{seconds:.0f}'} |")
+    print(f"| all | | {sum(s for _, _, s in table if s is not None):.0f} |\n", flush=True)
+
+
 def last_line(log: Path) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
@@ -141,17 +149,20 @@ def lab(args) -> int:
     print(f"lab: {expected_duration(stages, runs, args.force)}", flush=True)
     # after the estimate, which may time a matmul: its server imports meanwhile (none when no stage would use it)
     warm = warm_python.executable() if not all(s.real for s in stages) else warm_python.REAL
+    table = []  # (stage, what happened, seconds): printed at the end
     for i, stage in enumerate(stages, 1):
         tag = f"[{i}/{len(stages)}] {stage.name:<16}"
         result = resolved(runs, stage)
         if stage.optional:
             write_json_atomic(runs / stage.name / "skipped.json", {"reason": stage.optional, "date": f"{datetime.now():%Y-%m-%d}"})
             print(f"{tag} skipped: {stage.optional}", flush=True)
+            table.append((stage.name, "skipped", None))
             continue
         if args.force and stage.name != "data":
             forget(stage, runs, result)
         elif result.exists() and not stage.always:
             print(f"{tag} done earlier -> {result} (FORCE=1 recomputes)", flush=True)
+            table.append((stage.name, "done earlier", None))
             continue
         command = [a for a in stage.args if not (args.force and a == "--keep")]
         if has_checkpoint(runs, stage):
@@ -171,6 +182,8 @@ def lab(args) -> int:
             return code if code > 0 else 130
         print(f"{tag} done in {time.time() - t0:.0f} s -> {result}", flush=True)
         record_timing(runs, stage.name, time.time() - t0, resumed="--resume" in command)
+        table.append((stage.name, "continued" if "--resume" in command else "ran", time.time() - t0))
+    print_stage_table(table)
     print(f"lab: all stages finished in {time.time() - started:.0f} s; the report is {args.report_dir}/REPORT.md", flush=True)
     return 0
 
@@ -194,6 +207,11 @@ REFERENCES = {
         "data": 4, "text": 1, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65,
         "lenet-gelu_cpp": 36, "bench-gelu": 22, "bench-lenet": 16, "gpt-text": 97, "bench-gpt": 207, "gpu-check": 0,
         "report": 1}),
+    "Intel(R) Xeon(R) Processor, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (258e9, {  # no AMX; 2026-11-28 22:17, a
+        # fresh clone at 0b3af48, 823 s in all (it said 7 min: the EPYC's times scaled by the matmul rate, 1.27x)
+        "data": 7, "text": 1, "lenet-relu": 69, "gelu-check": 1, "lenet-gelu_torch": 82, "lenet-gelu_py": 110,
+        "lenet-gelu_cpp": 83, "bench-gelu": 29, "bench-lenet": 48, "gpt-text": 99, "bench-gpt": 292, "gpu-check": 0,
+        "report": 3}),
 }
 TIMINGS = "lab/timings.json"  # under --runs
 

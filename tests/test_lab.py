@@ -83,6 +83,9 @@ def test_finished_stages_are_skipped_and_force_redoes_them(mnist_dir, tmp_path, 
     second = run_lab(capsys, *args)[1]
     assert "data             done earlier" in second and "gelu-check       done earlier" in second
     assert "report           done in" in second  # the report always reflects the runs on disk
+    table = second[second.index("| stage | | s |"):].splitlines()  # the lab ends with each stage's seconds
+    assert table[2:4] == ["| data | done earlier |  |", "| gelu-check | done earlier |  |"], table
+    assert table[4] == "| gpu-check | skipped |  |" and table[5].startswith("| report | ran | ") and table[6].startswith("| all | | ")
     assert check.stat().st_mtime_ns == written
     forced = run_lab(capsys, *args[:-1], "gelu-check", "--force")[1]
     assert "gelu-check       done in" in forced and check.stat().st_mtime_ns > written
@@ -187,7 +190,8 @@ def test_the_lab_says_how_long_it_expects_and_learns_from_its_own_times(tmp_path
 
     stages = lab.lab_stages(tmp_path, str(tmp_path / "data"), "report", str(tmp_path / "text"))
     todo = [s for s in stages if not s.optional]
-    (slow, (slow_rate, _)), (fast, (fast_rate, _)) = sorted(lab.REFERENCES.items(), key=lambda kv: kv[1][0])[:2]
+    by_rate = sorted(lab.REFERENCES.items(), key=lambda kv: kv[1][0])
+    (slow, (slow_rate, _)), (fast, (fast_rate, _)) = by_rate[0], by_rate[-1]
     for cpu in (slow, fast):
         monkeypatch.setattr(bench, "cpu_label", lambda: cpu)
         minutes = sum(lab.REFERENCES[cpu][1][s.name] for s in todo) / 60
