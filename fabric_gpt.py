@@ -26,8 +26,9 @@ import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
+import gelu_ext
 from core.gpt import hf_export, strategies, swap_files, text_corpus
-from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, count_parameters,
+from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, count_parameters, math_dtype,
                                  resolve_attention)
 from core.plan import accounting, disk, gpt_figures, gpu_efficiency, perf_model, published
 from core.run import flags
@@ -36,6 +37,7 @@ from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, return_freed_host_memory, uses_gpu
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
 from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run
+from core.run.measurements import rank_threads
 from core.run.ranks import check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
 
@@ -97,6 +99,9 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     precision: str = opt("32-true", "Fabric precision", PRECISIONS, group="precision and memory")
     attention_precision: str = opt("auto", "attention's dtype in 16-bit runs; auto: float32 on a CPU where it measures "
                                    "faster", ("auto", "float32", "autocast"), runtime=True)
+    gelu_impl: str = opt("auto", "the MLP's GELU (torch: F.gelu; cpp, py: gelu_ext); auto: cpp on a CPU where "
+                         "faster", ("auto", "torch", "cpp", "py"),
+                         runtime=True)
     loss_scale_power: int = opt(16, "16-mixed: initial loss scale 2^N; an overflowed step is skipped", min=0, max=40,
                                 runtime=True)
     nvme_path: str = opt("", "deepspeed_stage_3_offload: offload to NVMe at this folder instead of CPU RAM",
@@ -508,6 +513,10 @@ def validate(cfg: Config) -> None:
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
     cfg.attention_precision = resolve_attention(cfg, on_gpu)
+    if cfg.gelu_impl in ("cpp", "py") and lay.tensor_parallel:
+        raise ConfigError(f"--gelu-impl {cfg.gelu_impl} with --strategy {cfg.strategy}: the lab's GELU operator has no "
+                          "sharding rule for tensor parallelism's DTensors; use --gelu-impl torch (or auto)")
+    cfg.gelu_impl = resolve_gelu(cfg, on_gpu)
     if cfg.precision == "16-mixed" and lay.model_parallel:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
@@ -585,6 +594,9 @@ def setup_model(fabric: Fabric, cfg: Config):
     moves the whole fp32 model to each GPU, then partitions it), kept apart so that the training peak is what the
     plan predicts."""
     model = build_model(cfg, fabric)
+    if cfg.gelu_impl in ("cpp", "py"):  # the config still names transformers' gelu_pytorch_tanh: hf/ loads anywhere
+        for block in model.transformer.h:
+            block.mlp.act = gelu_ext.GELU(cfg.gelu_impl, "tanh")
     if cfg.compile:
         compile_cache_per_caps()
         if cfg.compile_scope == "blocks":
@@ -638,8 +650,33 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> 
                  f"{cfg.micro_batch_size} x {cfg.grad_accum} x {cfg.layout.dp_size} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     fabric.print(f"attention: {attention_kernel(cfg, fabric.device, attn)}")
+    fabric.print(gelu_note(cfg))
     disk.print_disk_plan(cfg, on_disk, fabric.print)
     gpt_figures.announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
+
+
+def resolve_gelu(cfg: Config, on_gpu: bool) -> str:
+    """--gelu-impl auto: on a CPU the lab's C++ tanh GELU where it is built (make setup) and measured faster at the
+    run's MLP shape than F.gelu, whose tanh form took 3.5x its exact form's time on an AVX-512 BF16 Xeon (docs/gelu.md);
+    F.gelu on GPUs, under --compile (Inductor fuses it) and tensor parallelism (the op has no DTensor rule)."""
+    if cfg.gelu_impl != "auto" or on_gpu or cfg.compile or cfg.layout.tensor_parallel or not gelu_ext.is_built():
+        return "torch" if cfg.gelu_impl == "auto" else cfg.gelu_impl
+    speeds = gelu_ext.tanh_speeds(*gelu_shape(cfg), math_dtype(cfg), rank_threads(cfg.devices))
+    return "cpp" if speeds["cpp_s"] < speeds["torch_s"] else "torch"
+
+
+def gelu_shape(cfg: Config) -> tuple[int, int]:
+    """(tokens, width) of one micro-batch's MLP activation."""
+    return cfg.micro_batch_size * cfg.seq_len, 4 * cfg.n_embd
+
+
+def gelu_note(cfg: Config) -> str:
+    """What computes the MLP's GELU, and the measurement auto chose by, for the start-up lines."""
+    names = {"cpp": "the lab's C++ operator (gelu_ext)", "py": "the lab's Python Function (gelu_ext)"}
+    speeds = gelu_ext.tanh_speeds(*gelu_shape(cfg), math_dtype(cfg), rank_threads(cfg.devices), allow_measure=False)
+    measured = (f"; forward and backward at {' x '.join(map(str, gelu_shape(cfg)))}: C++ {1e3 * speeds['cpp_s']:.2f} "
+                f"ms, F.gelu {1e3 * speeds['torch_s']:.2f} ms" if speeds else "")
+    return f"GELU (tanh): {names.get(cfg.gelu_impl, 'F.gelu (torch)')}{measured}"
 
 
 def disk_plan(cfg: Config) -> dict:

@@ -118,6 +118,13 @@ def build_plan() -> tuple[str, list[str], list[str], list[str], str | None]:
             ["-O3", "-DGELU_EXT_CUDA_KERNEL"], toolkit)
 
 
+def is_built() -> bool:
+    """Whether this machine's build of the operator exists (make setup makes it): a choice between kernels takes
+    the C++ one only then, rather than compiling for half a minute inside a run."""
+    name = build_plan()[0]
+    return (BUILD_ROOT / name / f"{name}.so").exists()
+
+
 _loaded = False
 
 
@@ -214,6 +221,30 @@ def gelu_cpp(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     _check(x, approximate)
     load_cpp()
     return torch.ops.gelu_ext.gelu_forward(x, approximate)
+
+
+# ----------------------------------------------------------------------------- which is faster here
+KERNEL_VERSION = 2  # the C++ tanh form: 2 computes it from exp (1 called Sleef's tanh, 3.5x slower): measure again
+
+
+def tanh_speeds(tokens: int, width: int, dtype: torch.dtype, n_threads: int, allow_measure: bool = True) -> dict | None:
+    """Seconds of F.gelu's and of the C++ operator's tanh GELU, forward and backward, on a (tokens, width) input
+    of `dtype` with a rank's threads: measured once per machine and shape (core/run/measurements.py), then read back;
+    None when not measured and `allow_measure` is False. A model chooses by it where the C++ one is built."""
+    from core.run.measurements import cached, seconds_per_call, threads
+
+    def measure() -> dict:
+        load_cpp()
+        x = torch.randn(tokens, width, dtype=dtype, requires_grad=True)
+        grad, times = torch.randn(tokens, width, dtype=dtype), {}
+        with threads(n_threads):
+            for impl in ("torch", "cpp"):
+                act = GELU(impl, "tanh")
+                times[impl] = seconds_per_call(lambda: torch.autograd.grad(act(x), x, grad), seconds=0.15)
+        return {"torch_s": times["torch"], "cpp_s": times["cpp"]}
+
+    settings = {"tokens": tokens, "width": width, "dtype": str(dtype), "threads": n_threads, "kernel": KERNEL_VERSION}
+    return cached("gelu_tanh", settings, measure, allow_measure)
 
 
 # ----------------------------------------------------------------------------- module

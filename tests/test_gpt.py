@@ -1104,6 +1104,47 @@ def test_auto_attention_precision_follows_the_measurement(monkeypatch):
     assert len(asked) == calls  # nothing measured where nothing is to be decided
 
 
+def test_auto_gelu_follows_the_measurement_and_cpp_is_refused_under_tensor_parallel(monkeypatch):
+    """--gelu-impl auto: on a CPU the lab's C++ tanh GELU where it is built and measured faster at the run's MLP shape
+    (micro-batch x positions, 4 x width), in the dtype the MLP computes in; F.gelu on GPUs, under --compile and under
+    tensor parallelism, where nothing is measured. The C++ operator under tp is refused with the fix."""
+    import gelu_ext
+
+    asked = []
+    monkeypatch.setattr(gelu_ext, "tanh_speeds", lambda *a, **k: asked.append(a) or {"cpp_s": cpp, "torch_s": 1.0})
+    cfg = gpt.resolve(gpt.Config(model="tiny", precision="bf16-mixed", accelerator="cpu"))
+    for cpp, impl in ((0.5, "cpp"), (2.0, "torch")):
+        assert gpt.resolve_gelu(cfg, on_gpu=False) == impl
+    assert asked[-1][:3] == (4 * 64, 4 * 64, torch.bfloat16)  # tokens, width, autocast's dtype
+    calls, cpp = len(asked), 0.5
+    for other, on_gpu in (({}, True), ({"compile": True}, False), ({"strategy": "tp", "devices": 2}, False)):
+        assert gpt.resolve_gelu(gpt.resolve(gpt.dataclasses.replace(cfg, **other)), on_gpu) == "torch", other
+    monkeypatch.setattr(gelu_ext, "is_built", lambda: False)  # never a half-minute build inside a run
+    assert gpt.resolve_gelu(cfg, on_gpu=False) == "torch" and len(asked) == calls
+    for impl in ("torch", "cpp"):  # a named one is taken as named
+        assert gpt.resolve_gelu(gpt.dataclasses.replace(cfg, gelu_impl=impl), on_gpu=True) == impl
+    with pytest.raises(gpt.ConfigError, match="--gelu-impl cpp with --strategy tp.*--gelu-impl torch"):
+        gpt.validate(gpt.resolve(gpt.Config(model="tiny", strategy="tp", devices=2, gelu_impl="cpp", accelerator="cpu")))
+
+
+def test_the_cpp_gelu_trains_as_f_gelu_and_changes_no_checkpoint_or_export(tmp_path):
+    """The same run with the MLP's GELU from F.gelu and from the lab's C++ operator: the same losses to float32
+    rounding, the same checkpoint keys, an hf/ folder that names transformers' own activation, and the start-up line
+    says which computed it."""
+    common = ["--steps", "6", "--log-every", "1", "--export"]
+    torch_run = run_gpt(tmp_path, "torch", *common, "--gelu-impl", "torch")
+    cpp_run = run_gpt(tmp_path, "cpp", *common, "--gelu-impl", "cpp")
+    assert "GELU (tanh): the lab's C++ operator (gelu_ext)" in cpp_run.stdout
+    assert "GELU (tanh): F.gelu (torch)" in torch_run.stdout
+    assert losses(tmp_path, "cpp") == pytest.approx(losses(tmp_path, "torch"), rel=1e-5)
+    assert record(tmp_path, "cpp")["config"]["gelu_impl"] == "cpp"
+    state = lambda name: torch.load(next((tmp_path / name / "checkpoints").glob("step-*")) / "state",  # noqa: E731
+                                    weights_only=False)["model"]
+    assert sorted(state("cpp")) == sorted(state("torch"))
+    exported = json.loads((tmp_path / "cpp" / "hf" / "config.json").read_text())
+    assert exported["activation_function"] == "gelu_pytorch_tanh"
+
+
 @pytest.mark.slow
 def test_float32_attention_trains_as_bf16_attention_and_exports_plain_sdpa(tmp_path):
     """A bf16-mixed run with attention in float32 (what auto chooses on a CPU whose bf16 flash backward is slower):

@@ -161,9 +161,9 @@ def minimal_flags(cfg, heads: int, device: str = "cpu") -> list[str]:
            "--precision", cfg.precision, "--devices", cfg.devices, "--accelerator", torch.device(device).type, "--optimizer", cfg.optimizer,
            "--grad-clip", cfg.grad_clip, "--pp-schedule", cfg.pp_schedule, "--tp-size", cfg.tp_size,
            "--pp-size", cfg.pp_size, "--log-every", steps,
-           # the run's attention dtype, never auto: its probe would wait for the lock this measurement holds
+           # the run's attention dtype and GELU, never auto: their probes would wait for the lock this measurement holds
            "--attention-precision", attention if (attention := getattr(cfg, "attention_precision", "auto")) != "auto"
-           else "autocast"]
+           else "autocast", "--gelu-impl", gelu if (gelu := getattr(cfg, "gelu_impl", "auto")) != "auto" else "torch"]
     if cfg.grad_checkpointing:
         out.append("--grad-checkpointing")
     if cfg.compile:
