@@ -234,3 +234,23 @@ def test_two_runs_started_together_with_one_name_train_one_of_them(tmp_path):
     assert len(list((tmp_path / "same").glob("events.out.tfevents.*"))) == 1
     assert read_summary(tmp_path / "same")["steps"] == 16
     os.sync()
+
+
+def test_a_run_that_ended_between_the_look_and_the_lock_is_not_overwritten(tmp_path, monkeypatch):
+    """Two runs started together with one name: both look (no folder yet), then the first trains and ends, releasing
+    its folder's lock, before the second takes it (the second waited, as for a machine measurement another process
+    was taking). The second refuses the folder it now finds written, and leaves the first run's files as they were."""
+    folder = tmp_path / "same"
+    look = gpt.find_run
+
+    def look_then_the_other_run_ends(*args, **kwargs):
+        found = look(*args, **kwargs)
+        folder.mkdir()
+        (folder / "record.json").write_text('{"kind": "gpt", "steps": 16}')  # what the other run left
+        return found
+
+    monkeypatch.setattr(gpt, "find_run", look_then_the_other_run_ends)
+    proc = run_in_process("fabric_gpt.py", *TINY, "--out-dir", tmp_path, "--run-name", "same", check=False)
+    assert proc.returncode == 1 and "exists; a new run does not overwrite it" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in folder.iterdir()) == [".run.lock", "record.json"]  # the lock file, as every run's
+    assert json.loads((folder / "record.json").read_text()) == {"kind": "gpt", "steps": 16}

@@ -159,7 +159,16 @@ def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | N
         folder_lock.refuse_if_held(Path(cfg.out_dir) / cfg.run_name)
     if not asked:
         refuse_existing_run(cfg)
+    if cfg.run_name:  # what the folder held at this look: Run.hold_folder refuses what another run wrote since
+        _looked[str(Path(cfg.out_dir) / cfg.run_name)] = run_files(Path(cfg.out_dir) / cfg.run_name)
     return None
+
+
+_looked: dict[str, set] = {}  # run folder -> its files when find_run looked (this process)
+
+
+def run_files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if not folder_lock.is_lock(p)} if folder.is_dir() else set()
 
 
 def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
@@ -229,6 +238,14 @@ class Run:
         who = folder_lock.hold(self.dir) if self.fabric.global_rank == 0 else None  # its name on a full disk: noted
         if any_rank(self.fabric, who is not None)[0]:
             raise folder_lock.FolderBusy(folder_lock.busy_message(self.dir, self.fabric.broadcast(who)))
+        # a run started with this one that trained and ended between find_run's look and this lock left its files
+        looked = _looked.get(str(self.dir))
+        written = self.fabric.global_rank == 0 and looked is not None and bool(run_files(self.dir) - looked)
+        if any_rank(self.fabric, written)[0]:
+            folder_lock.release_all()
+            raise folder_lock.FolderBusy(f"run {self.dir} exists; a new run does not overwrite it (another run started "
+                                         f"with this one wrote it meanwhile). Fix: continue it with --resume auto "
+                                         f"--run-name {self.cfg.run_name}, or start a new run with another --run-name")
 
     def start(self) -> None:
         """Resume if asked (or refuse with the fix), then record the config the run continues under."""
