@@ -165,6 +165,7 @@ def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | N
 
 
 _looked: dict[str, set] = {}  # run folder -> its files when find_run looked (this process)
+RUN_FILES = {"config.json", "record.json", "checkpoints"}  # what every run writes into its folder once it holds it
 
 
 def run_files(folder: Path) -> set[str]:
@@ -239,8 +240,9 @@ class Run:
         if any_rank(self.fabric, who is not None)[0]:
             raise folder_lock.FolderBusy(folder_lock.busy_message(self.dir, self.fabric.broadcast(who)))
         # a run started with this one that trained and ended between find_run's look and this lock left its files
+        # (this run's own NVMe swap files may be there already: a run's are its config, record and checkpoints)
         looked = _looked.get(str(self.dir))
-        written = self.fabric.global_rank == 0 and looked is not None and bool(run_files(self.dir) - looked)
+        written = self.fabric.global_rank == 0 and looked is not None and bool(run_files(self.dir) & RUN_FILES - looked)
         if any_rank(self.fabric, written)[0]:
             folder_lock.release_all()
             raise folder_lock.FolderBusy(f"run {self.dir} exists; a new run does not overwrite it (another run started "
