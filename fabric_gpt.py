@@ -100,8 +100,7 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     attention_precision: str = opt("auto", "attention's dtype in 16-bit runs; auto: float32 on a CPU where it measures "
                                    "faster", ("auto", "float32", "autocast"), runtime=True)
     gelu_impl: str = opt("auto", "the MLP's GELU (torch: F.gelu; cpp, py: gelu_ext); auto: cpp on a CPU where "
-                         "faster", ("auto", "torch", "cpp", "py"),
-                         runtime=True)
+                         "faster", ("auto", "torch", "cpp", "py"), runtime=True)
     loss_scale_power: int = opt(16, "16-mixed: initial loss scale 2^N; an overflowed step is skipped", min=0, max=40,
                                 runtime=True)
     nvme_path: str = opt("", "deepspeed_stage_3_offload: offload to NVMe at this folder instead of CPU RAM",
@@ -657,7 +656,7 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> 
 
 def resolve_gelu(cfg: Config, on_gpu: bool) -> str:
     """--gelu-impl auto: on a CPU the lab's C++ tanh GELU where it is built (make setup) and measured faster at the
-    run's MLP shape than F.gelu, whose tanh form took 3.5x its exact form's time on an AVX-512 BF16 Xeon (docs/gelu.md);
+    run's MLP shape than F.gelu, whose tanh form took 3.6x its exact form's time on an AVX-512 BF16 Xeon (docs/gelu.md);
     F.gelu on GPUs, under --compile (Inductor fuses it) and tensor parallelism (the op has no DTensor rule)."""
     if cfg.gelu_impl != "auto" or on_gpu or cfg.compile or cfg.layout.tensor_parallel or not gelu_ext.is_built():
         return "torch" if cfg.gelu_impl == "auto" else cfg.gelu_impl
