@@ -660,7 +660,7 @@ def resolve_gelu(cfg: Config, on_gpu: bool) -> str:
     F.gelu on GPUs, under --compile (Inductor fuses it) and tensor parallelism (the op has no DTensor rule)."""
     if cfg.gelu_impl != "auto" or on_gpu or cfg.compile or cfg.layout.tensor_parallel or not gelu_ext.is_built():
         return "torch" if cfg.gelu_impl == "auto" else cfg.gelu_impl
-    speeds = gelu_ext.tanh_speeds(*gelu_shape(cfg), math_dtype(cfg), rank_threads(cfg.devices))
+    speeds = gelu_speeds(cfg)
     return "cpp" if speeds["cpp_s"] < speeds["torch_s"] else "torch"
 
 
@@ -669,10 +669,15 @@ def gelu_shape(cfg: Config) -> tuple[int, int]:
     return cfg.micro_batch_size * cfg.seq_len, 4 * cfg.n_embd
 
 
+def gelu_speeds(cfg: Config, allow_measure: bool = True) -> dict | None:
+    """Both tanh GELUs timed at this run's MLP shape, in the dtype it computes in, with a rank's threads (cached)."""
+    return gelu_ext.tanh_speeds(*gelu_shape(cfg), math_dtype(cfg), rank_threads(cfg.devices), allow_measure)
+
+
 def gelu_note(cfg: Config) -> str:
     """What computes the MLP's GELU, and the measurement auto chose by, for the start-up lines."""
     names = {"cpp": "the lab's C++ operator (gelu_ext)", "py": "the lab's Python Function (gelu_ext)"}
-    speeds = gelu_ext.tanh_speeds(*gelu_shape(cfg), math_dtype(cfg), rank_threads(cfg.devices), allow_measure=False)
+    speeds = gelu_speeds(cfg, allow_measure=False)
     measured = (f"; forward and backward at {' x '.join(map(str, gelu_shape(cfg)))}: C++ {1e3 * speeds['cpp_s']:.2f} "
                 f"ms, F.gelu {1e3 * speeds['torch_s']:.2f} ms" if speeds else "")
     return f"GELU (tanh): {names.get(cfg.gelu_impl, 'F.gelu (torch)')}{measured}"

@@ -180,9 +180,10 @@ def lab(args) -> int:
             print(f"lab: {'interrupted' if stopped else 'stopped'} after {time.time() - started:.0f} s; finished stages "
                   "are kept: run `make lab` again to continue" + ("" if stopped else f" once the cause is fixed (log {log})"))
             return code if code > 0 else 130
-        print(f"{tag} done in {time.time() - t0:.0f} s -> {result}", flush=True)
-        record_timing(runs, stage.name, time.time() - t0, resumed="--resume" in command)
-        table.append((stage.name, "continued" if "--resume" in command else "ran", time.time() - t0))
+        took = time.time() - t0
+        print(f"{tag} done in {took:.0f} s -> {result}", flush=True)
+        record_timing(runs, stage.name, took, resumed="--resume" in command)
+        table.append((stage.name, "continued" if "--resume" in command else "ran", took))
     print_stage_table(table)
     print(f"lab: all stages finished in {time.time() - started:.0f} s; the report is {args.report_dir}/REPORT.md", flush=True)
     return 0

@@ -164,12 +164,13 @@ def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | N
     return None
 
 
-_looked: dict[str, set] = {}  # run folder -> its files when find_run looked (this process)
-RUN_FILES = {"config.json", "record.json", "checkpoints"}  # what every run writes into its folder once it holds it
+_looked: dict[str, set] = {}  # run folder -> its run files when find_run looked (this process)
 
 
 def run_files(folder: Path) -> set[str]:
-    return {p.name for p in folder.iterdir() if not folder_lock.is_lock(p)} if folder.is_dir() else set()
+    """What every run writes into its folder once it holds it, as far as `folder` has them (a ZeRO-Infinity run's
+    own swap files may be there before it holds it)."""
+    return {name for name in ("config.json", "record.json", "checkpoints") if (folder / name).exists()}
 
 
 def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
@@ -240,11 +241,9 @@ class Run:
         if any_rank(self.fabric, who is not None)[0]:
             raise folder_lock.FolderBusy(folder_lock.busy_message(self.dir, self.fabric.broadcast(who)))
         # a run started with this one that trained and ended between find_run's look and this lock left its files
-        # (this run's own NVMe swap files may be there already: a run's are its config, record and checkpoints)
         looked = _looked.get(str(self.dir))
-        written = self.fabric.global_rank == 0 and looked is not None and bool(run_files(self.dir) & RUN_FILES - looked)
-        if any_rank(self.fabric, written)[0]:
-            folder_lock.release_all()
+        written = self.fabric.global_rank == 0 and looked is not None and bool(run_files(self.dir) - looked)
+        if any_rank(self.fabric, written)[0]:  # exits() gives the lock back
             raise folder_lock.FolderBusy(f"run {self.dir} exists; a new run does not overwrite it (another run started "
                                          f"with this one wrote it meanwhile). Fix: continue it with --resume auto "
                                          f"--run-name {self.cfg.run_name}, or start a new run with another --run-name")
