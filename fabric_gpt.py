@@ -27,9 +27,9 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import gelu_ext
-from core.gpt import hf_export, strategies, swap_files, text_corpus
-from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, count_parameters, math_dtype,
-                                 resolve_attention)
+from core.gpt import cpu_precision, hf_export, strategies, swap_files, text_corpus
+from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, compute_dtype, count_parameters,
+                                 math_dtype, resolve_attention)
 from core.plan import accounting, disk, gpt_figures, gpu_efficiency, perf_model, published
 from core.run import flags
 from core.run.checkpoints import ResumeError
@@ -38,7 +38,7 @@ from core.run.hardware import check_hardware, compile_cache_per_caps, return_fre
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
 from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run
 from core.run.measurements import rank_threads
-from core.run.ranks import check_launcher, launch, take_fabric_run_settings
+from core.run.ranks import any_rank, check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
@@ -96,7 +96,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     pp_size: int = opt(0, "pipeline stages for pp (0: all processes)", min=0)
     pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b",
                            ("1f1b", "gpipe"))
-    precision: str = opt("32-true", "Fabric precision", PRECISIONS, group="precision and memory")
+    precision: str = opt("auto", "auto (bf16-mixed on GPUs, on CPUs the faster measured), 32-true, 16-mixed, "
+                         "bf16-mixed, bf16-true", ("auto", *PRECISIONS), group="precision and memory")
     attention_precision: str = opt("auto", "attention's dtype in 16-bit runs; auto: float32 on a CPU where it measures "
                                    "faster", ("auto", "float32", "autocast"), runtime=True)
     gelu_impl: str = opt("auto", "the MLP's GELU (torch: F.gelu; cpp, py: gelu_ext); auto: cpp on a CPU where "
@@ -167,12 +168,55 @@ def resolve(cfg: Config) -> Config:
                               lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4),
                               log_every=cfg.log_every or (10 if uses_gpu(cfg.accelerator) else 1),
                               compile_scope=cfg.compile_scope if cfg.compile_scope != "auto" else
-                              "blocks" if for_gpu(cfg) else "model")
+                              "blocks" if for_gpu(cfg) else "model",
+                              precision=gpu_precision() if cfg.precision == "auto" and for_gpu(cfg) else cfg.precision)
     levers = for_gpu(cfg) and cfg.layout.replicated and not cfg.layout.threads
     cfg = dataclasses.replace(cfg, compile=levers if cfg.compile is None else cfg.compile,
                               chunked_loss=levers if cfg.chunked_loss is None else cfg.chunked_loss,
                               pad_vocab_to=cfg.pad_vocab_to or (64 if levers else 1))
     return cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
+
+
+def gpu_precision() -> str:
+    """--precision auto on GPUs (or a plan for them): bf16 autocast, fp16 with loss scaling where a GPU has no bf16."""
+    return "16-mixed" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bf16-mixed"
+
+
+def resolve_precision(cfg: Config) -> None:
+    """--precision auto on a CPU (a GPU's is resolved with the flags): the faster of float32 and bf16 autocast for this
+    run's model, timed here once per machine and shape (core/gpt/cpu_precision.py), before anything is planned with it."""
+    global precision_choice
+    precision_choice = None
+    if cfg.precision != "auto":
+        return
+    makers = lambda: {p: probe_step(cfg, p) for p in cpu_precision.CANDIDATES}  # noqa: E731
+    peaks = lambda: (accounting.cpu_matmul_peak("32-true"), accounting.cpu_matmul_peak("bf16-mixed"))  # noqa: E731
+    precision_choice = cpu_precision.choose(cfg, rank_threads(cfg.devices), makers, peaks)
+    cfg.precision = precision_choice["choice"]
+
+
+precision_choice = None  # what --precision auto measured, for the start-up lines
+
+
+def probe_step(cfg: Config, precision: str):
+    """A training step's callable (forward, loss, backward) of this run's model cut to cpu_precision.PROBE_LAYERS
+    blocks, in `precision`, with the attention and GELU the run would compute in it, on a micro-batch of random tokens.
+    Those two are chosen (and measured, if they must be) here, outside the precision measurement's lock."""
+    c = dataclasses.replace(cfg, precision=precision, n_layer=min(cfg.n_layer, cpu_precision.PROBE_LAYERS))
+    c.attention_precision = resolve_attention(c, False)
+    c.gelu_impl = resolve_gelu(c, False)
+
+    def make():
+        weights, autocast = compute_dtype(precision, c.layout.deepspeed)
+        model = use_gelu(build_model(c), c.gelu_impl).to(weights)
+        tokens = torch.randint(0, c.vocab_size, (c.micro_batch_size, c.seq_len))
+
+        def step():
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+        return step
+    return make
 
 
 def for_gpu(cfg: Config) -> bool:
@@ -501,36 +545,40 @@ def validate(cfg: Config) -> None:
                           "--strategy fsdp (its blocks compile) or ZeRO-1/2, or drop --compile")
     if cfg.optimizer == "sgd" and lay.offload:
         raise ConfigError("--optimizer sgd: ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam only; use adamw")
+    if cfg.gelu_impl in ("cpp", "py") and lay.tensor_parallel:
+        raise ConfigError(f"--gelu-impl {cfg.gelu_impl} with --strategy {cfg.strategy}: the lab's GELU operator has no "
+                          "sharding rule for tensor parallelism's DTensors; use --gelu-impl torch (or auto)")
     if cfg.plan or cfg.search:
+        resolve_precision(cfg)
         # a plan for this CPU computes attention as a run here would; one for GPUs in their 16-bit type
         cfg.attention_precision = resolve_attention(cfg, accounting.plans_for_gpu(cfg) or cfg.cluster not in ("", "cpu"))
         return
     check_launcher(cfg.num_nodes, cfg.devices, "fabric_gpt.py")
-    disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
-    # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU
+    # 16-mixed runs on CPU (float16 autocast, GradScaler) so that its loss-scale path can be tested without a GPU;
+    # auto never chooses it there
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not lay.deepspeed)
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
-    cfg.attention_precision = resolve_attention(cfg, on_gpu)
-    if cfg.gelu_impl in ("cpp", "py") and lay.tensor_parallel:
-        raise ConfigError(f"--gelu-impl {cfg.gelu_impl} with --strategy {cfg.strategy}: the lab's GELU operator has no "
-                          "sharding rule for tensor parallelism's DTensors; use --gelu-impl torch (or auto)")
-    cfg.gelu_impl = resolve_gelu(cfg, on_gpu)
-    if cfg.precision == "16-mixed" and lay.model_parallel:
-        raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
-                          "FSDP2/TP/PP here; use bf16-mixed")
     data_bytes = cfg.num_samples * cfg.seq_len * 8  # the token ids, int64, made whole before the first step
     if cfg.dataset != "text" and data_bytes > accounting.host_available(cfg) / 4:  # text: windows of a memory-mapped file
         raise ConfigError(f"--num-samples {cfg.num_samples} x --seq-len {cfg.seq_len} tokens are {data_bytes / 2**30:.1f} "
                           f"GiB of token ids, more than a quarter of this machine's available memory; use fewer samples "
                           f"(--steps ends a run early without making its samples smaller)")
-    accounting.check_host_memory(cfg, on_gpu)
     per_step = samples_per_step(cfg)
     if cfg.num_samples % per_step:
         raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "
                           f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
                           f"{lay.dp_size} data-parallel ranks); choose e.g. --num-samples "
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
+    # auto's two choices keep float32 weights: the same bytes on disk
+    disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
+    resolve_precision(cfg)  # after every refusal it does not change (it times a cut model); the rest plans with it
+    cfg.attention_precision = resolve_attention(cfg, on_gpu)
+    cfg.gelu_impl = resolve_gelu(cfg, on_gpu)
+    if cfg.precision == "16-mixed" and lay.model_parallel:
+        raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
+                          "FSDP2/TP/PP here; use bf16-mixed")
+    accounting.check_host_memory(cfg, on_gpu)
 
 
 # ----------------------------------------------------------------------------- main
@@ -555,6 +603,7 @@ def main(argv=None) -> dict:
         fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                         strategy=strategies.make_strategy(cfg, on_gpu), **fabric_precision(cfg, on_gpu))
         launch(fabric, cfg.num_nodes, cfg.node_timeout)
+        agree_on_precision(fabric, cfg)
         n_params, attn = count_parameters(cfg)
         plan = accounting.device_plan(cfg, on_gpu, (n_params, attn))
         peak = accounting.peak_flops(fabric.device, cfg.precision)  # on CPU a short matmul probe, before any model
@@ -592,10 +641,7 @@ def setup_model(fabric: Fabric, cfg: Config):
     """The model and its optimizer set up by Fabric for the strategy; the set-up's own peak memory (DeepSpeed first
     moves the whole fp32 model to each GPU, then partitions it), kept apart so that the training peak is what the
     plan predicts."""
-    model = build_model(cfg, fabric)
-    if cfg.gelu_impl in ("cpp", "py"):  # the config still names transformers' gelu_pytorch_tanh: hf/ loads anywhere
-        for block in model.transformer.h:
-            block.mlp.act = gelu_ext.GELU(cfg.gelu_impl, "tanh")
+    model = use_gelu(build_model(cfg, fabric), cfg.gelu_impl)
     if cfg.compile:
         compile_cache_per_caps()
         if cfg.compile_scope == "blocks":
@@ -615,6 +661,15 @@ def setup_model(fabric: Fabric, cfg: Config):
     return_freed_host_memory()
     accounting.reset_peak_memory(fabric.device)
     return model, optimizer, setup_peak
+
+
+def use_gelu(model, impl: str):
+    """The MLPs' GELU from gelu_ext where --gelu-impl names it; the config still names transformers'
+    gelu_pytorch_tanh, so an exported hf/ folder loads anywhere."""
+    if impl in ("cpp", "py"):
+        for block in model.transformer.h:
+            block.mlp.act = gelu_ext.GELU(impl, "tanh")
+    return model
 
 
 def steps_of_the_strategy(fabric: Fabric, cfg: Config, model):
@@ -650,6 +705,8 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> 
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     fabric.print(f"attention: {attention_kernel(cfg, fabric.device, attn)}")
     fabric.print(gelu_note(cfg))
+    if precision_choice:
+        fabric.print(cpu_precision.note(precision_choice))
     disk.print_disk_plan(cfg, on_disk, fabric.print)
     gpt_figures.announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
 
@@ -681,6 +738,14 @@ def gelu_note(cfg: Config) -> str:
     measured = (f"; forward and backward at {' x '.join(map(str, gelu_shape(cfg)))}: C++ {1e3 * speeds['cpp_s']:.2f} "
                 f"ms, F.gelu {1e3 * speeds['torch_s']:.2f} ms" if speeds else "")
     return f"GELU (tanh): {names.get(cfg.gelu_impl, 'F.gelu (torch)')}{measured}"
+
+
+def agree_on_precision(fabric: Fabric, cfg: Config) -> None:
+    """Ranks on different CPUs, each with its own --precision auto measurement, must still compute in one precision."""
+    (differ,) = any_rank(fabric, fabric.broadcast(cfg.precision) != cfg.precision)
+    if differ:
+        raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); pass "
+                          "--precision 32-true or bf16-mixed explicitly")
 
 
 def disk_plan(cfg: Config) -> dict:

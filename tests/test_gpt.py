@@ -1104,6 +1104,57 @@ def test_auto_attention_precision_follows_the_measurement(monkeypatch):
     assert len(asked) == calls  # nothing measured where nothing is to be decided
 
 
+def test_auto_precision_is_bf16_on_gpus_and_float32_without_bf16_instructions(monkeypatch):
+    """--precision auto (the default): bf16 autocast on GPUs and in plans for them, resolved with the flags; on a CPU
+    without bf16 instructions float32, with nothing measured (torch would emulate bf16)."""
+    from core.gpt import cpu_precision
+
+    assert gpt.Config().precision == "auto"
+    assert gpt.resolve(gpt.Config(model="tiny", accelerator="cuda")).precision == "bf16-mixed"
+    assert gpt.resolve(gpt.Config(model="gpt2", plan=True, cluster="h100-sxm")).precision == "bf16-mixed"
+    assert gpt.resolve(gpt.Config(model="tiny", accelerator="cpu")).precision == "auto"  # measured in validate()
+    big = gpt.resolve(gpt.Config(model="gpt2", accelerator="cpu"))  # its step is its matmuls: their rates decide
+    never = lambda: pytest.fail("a model this size is not probed step by step")  # noqa: E731
+    monkeypatch.setattr(cpu_precision, "native_bf16", lambda: True)
+    for bf16, expected in (((2e11, "bf16 matmul"), "bf16-mixed"), ((1.02e11, "bf16 addmm"), "32-true"),
+                           ((1e11, "float32 matmul"), "32-true")):
+        assert cpu_precision.choose(big, 1, never, lambda: ((1e11, "float32 matmul"), bf16))["choice"] == expected
+    monkeypatch.undo()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the caps hide bf16 instructions (hardware.native_bf16)
+    cfg = gpt.resolve(gpt.Config(model="tiny", accelerator="cpu"))
+    gpt.resolve_precision(cfg)
+    assert cfg.precision == "32-true" and "no bf16 instructions" in cpu_precision.note(gpt.precision_choice)
+
+
+def test_auto_precision_on_a_cpu_is_the_measured_faster_and_trains_in_it(tmp_path, monkeypatch):
+    """On a CPU with bf16 instructions --precision auto times this run's model (cut to 2 blocks) in float32 and bf16
+    autocast once, caches the times, takes bf16 only clearly faster, and the run trains in the precision chosen:
+    config.json records it and the start-up line gives both speeds. A cached answer decides the next run (here one
+    written to say bf16: that run trains in bf16-mixed)."""
+    from core.gpt import cpu_precision
+
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path / "cache"))
+    args = [a for a in SMALL if a not in ("--precision", "32-true")] + ["--steps", "2"]
+    first = run_gpt(tmp_path, "first", *args, base=[])
+    ran = json.loads((tmp_path / "first" / "config.json").read_text())["precision"]
+    cfg = gpt.parse_args(args)  # as validate() resolves it: --precision auto still open
+    if not hardware.native_bf16():
+        assert ran == "32-true" and "no bf16 instructions" in first.stdout
+        return
+    settings = cpu_precision.probe_settings(cfg, measurements.rank_threads(1))
+    entry = measurements.cached("precision", settings, None, allow_measure=False)
+    windows = entry["windows"]
+    assert len(windows["32-true"]) == len(windows["bf16-mixed"]) == 8 and min(windows["32-true"]) > 0
+    bf16 = measurements.clearly_faster(windows["bf16-mixed"], windows["32-true"])
+    assert ran == entry["choice"] == ("bf16-mixed" if bf16 else "32-true")
+    assert re.search(rf"precision auto: {ran} \(a 2-block step .*bf16 autocast [\d,]+ tokens/s, float32 [\d,]+",
+                     first.stdout)
+    written = {**entry, "choice": "bf16-mixed"}
+    measurements.cache_file().write_text(json.dumps({measurements.entry_name("precision", settings): {"value": written}}))
+    run_gpt(tmp_path, "second", *args, base=[])
+    assert json.loads((tmp_path / "second" / "config.json").read_text())["precision"] == "bf16-mixed"
+
+
 def test_auto_gelu_follows_the_measurement_and_cpp_is_refused_under_tensor_parallel(monkeypatch):
     """--gelu-impl auto: on a CPU the lab's C++ tanh GELU where it is built and measured faster at the run's MLP shape
     (micro-batch x positions, 4 x width), in the dtype the MLP computes in; F.gelu on GPUs, under --compile and under

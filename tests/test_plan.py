@@ -164,7 +164,7 @@ def test_the_minimal_job_keeps_the_runs_strategy_and_is_accepted(strategy):
     parser and checks accept the minimal job for every strategy."""
     devices = 1 if strategy == "auto" else 4 if strategy == "fsdp_tp" else 2
     cfg = gpt.resolve(gpt.Config(strategy=strategy, devices=devices, n_layer=3, grad_accum=2, optimizer="sgd",
-                                 tp_size=2 if strategy == "fsdp_tp" else 0, accelerator="cpu"))
+                                 tp_size=2 if strategy == "fsdp_tp" else 0, accelerator="cpu", precision="32-true"))
     argv = device_probe.minimal_flags(cfg, device_probe.minimal_heads(cfg))
     minimal = gpt.parse_args(argv)
     for field in ("strategy", "devices", "n_layer", "grad_accum", "optimizer", "precision", "tp_size"):

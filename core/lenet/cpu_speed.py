@@ -13,7 +13,7 @@ import torch
 
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name, cpu_units, isa_caps, uses_gpu
-from core.run.measurements import rank_threads, stored_or_measured
+from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
 from core.run.ranks import any_rank
 
 
@@ -41,7 +41,7 @@ PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, inher
 
 
 PROBE_VERSION = 2  # 2: 8 paired windows and a margin (1 measured 4 windows and took any lead: a moment's load decided)
-BF16_MARGIN = 1.05  # bf16 autocast is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
+BF16_MARGIN = MARGIN  # bf16 autocast is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
 
 
 def lenet_probe_key(cfg) -> dict:
@@ -90,13 +90,9 @@ def lenet_step_speeds(make_model, key: dict, windows: int = 8, steps: int = 3) -
 
 
 def faster_precision(windows: dict) -> str:
-    """bf16 autocast where it is clearly the faster (its median BF16_MARGIN above float32's and ahead in 3 of 4 paired
-    windows), else float32: a lead within the windows' spread is the machine's moment (another process's load
-    measured 7% for bf16 on a Xeon where it runs 21% slower quiet, 2026-11-28), and float32 needs no rounding."""
-    fp32, bf16 = windows["32-true"], windows["bf16-mixed"]
-    ahead = sum(b > f for f, b in zip(fp32, bf16))
-    clear = statistics.median(bf16) >= BF16_MARGIN * statistics.median(fp32) and 4 * ahead >= 3 * len(fp32)
-    return "bf16-mixed" if clear else "32-true"
+    """bf16 autocast where it is clearly the faster (measurements.clearly_faster: its median BF16_MARGIN above
+    float32's and ahead in 3 of 4 paired windows), else float32, which needs no rounding."""
+    return "bf16-mixed" if clearly_faster(windows["bf16-mixed"], windows["32-true"], BF16_MARGIN) else "32-true"
 
 
 def choose_precision(key: dict, cache: Path, measure) -> dict:
