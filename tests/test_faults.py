@@ -19,7 +19,8 @@ from core.plan import disk
 from core.host import warm_python
 from core.run.checkpoints import room_needed
 
-TINY = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu"]
+TINY = ["--model", "tiny", "--num-samples", "32", "--micro-batch-size", "4", "--accelerator", "cpu",
+        "--precision", "32-true"]
 
 
 def planned_checkpoint(args: list) -> float:

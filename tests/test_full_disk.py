@@ -31,7 +31,8 @@ CASES = {
 }
 NVME_SWAPPED = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--num-samples", "32", "--micro-batch-size", "4",
                 "--accelerator", "cpu", "--strategy", "deepspeed_stage_3_offload", "--devices", "2",
-                "--checkpoint-every", "2", "--keep-last", "1"]  # 4 steps; DeepSpeed swaps tensors of 1 MiB and more
+                "--checkpoint-every", "2", "--keep-last", "1",
+                "--precision", "32-true"]  # 4 steps; DeepSpeed swaps tensors of 1 MiB and more
 LENET = ["--devices", "2", "--strategy", "ddp", "--accelerator", "cpu", "--train-samples", "2048", "--batch-size", "512",
          "--epochs", "3", "--checkpoint-every", "2", "--log-every", "2", "--precision", "32-true"]  # 4 steps an epoch
 

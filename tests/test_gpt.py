@@ -1130,7 +1130,7 @@ def test_auto_precision_on_a_cpu_is_the_measured_faster_and_trains_in_it(tmp_pat
     """On a CPU with bf16 instructions --precision auto times this run's model (cut to 2 blocks) in float32 and bf16
     autocast once, caches the times, takes bf16 only clearly faster, and the run trains in the precision chosen:
     config.json records it and the start-up line gives both speeds. A cached answer decides the next run (here one
-    written to say bf16: that run trains in bf16-mixed)."""
+    written to say bf16: that run trains in bf16-mixed), and a resumed run keeps the precision it trained in."""
     from core.gpt import cpu_precision
 
     monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path / "cache"))
@@ -1153,6 +1153,10 @@ def test_auto_precision_on_a_cpu_is_the_measured_faster_and_trains_in_it(tmp_pat
     measurements.cache_file().write_text(json.dumps({measurements.entry_name("precision", settings): {"value": written}}))
     run_gpt(tmp_path, "second", *args, base=[])
     assert json.loads((tmp_path / "second" / "config.json").read_text())["precision"] == "bf16-mixed"
+    measurements.cache_file().unlink()  # measured again, float32 might win: a resume keeps the run's own precision
+    resumed = run_gpt(tmp_path, "second", *args, "--steps", "3", "--resume", "auto", base=[])
+    assert "precision auto: bf16-mixed (the precision the resumed run trained in" in resumed.stdout
+    assert record(tmp_path, "second")["config"]["precision"] == "bf16-mixed"
 
 
 def test_auto_gelu_follows_the_measurement_and_cpp_is_refused_under_tensor_parallel(monkeypatch):

@@ -222,7 +222,7 @@ def test_windows_are_fixed_by_the_seed(tmp_path):
 
 # ----------------------------------------------------------------------------- training, validation, samples
 TEXT = ["--dataset", "text", "--model", "tiny", "--seq-len", "32", "--accelerator", "cpu", "--lr", "3e-3",
-        "--eval-batches", "2", "--log-every", "4"]
+        "--eval-batches", "2", "--log-every", "4", "--precision", "32-true"]
 
 
 def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
