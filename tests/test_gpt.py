@@ -631,7 +631,7 @@ def test_a_run_whose_host_plan_does_not_fit_is_refused_with_what_would(tmp_path,
     monkeypatch.setattr(gpt, "build_model", lambda cfg, fabric=None: built.append(cfg))
     with pytest.raises(SystemExit) as exit_:
         gpt.main(["--model", "gpt2", "--accelerator", "cpu", "--micro-batch-size", "8", "--host-memory-gb", "6",
-                  "--out-dir", str(tmp_path)])
+                  "--precision", "32-true", "--out-dir", str(tmp_path)])  # float32 named: its first advice is below
     message = str(exit_.value.code)
     assert message.startswith("error: this run needs about") and "and 6.0 GiB is available" in message, message
     assert "libraries" in message and "Would fit: --micro-batch-size 1" in message and "\n" not in message
@@ -645,10 +645,10 @@ class Built(Exception):
 @pytest.mark.parametrize("args", [
     # the 1.6B model in float32 under ZeRO-Infinity at micro-batch 1: the advice is bf16 and checkpointing
     pytest.param(["--model", "1.6b", "--devices", "2", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "NVME",
-                  "--micro-batch-size", "1", "--num-samples", "4", "--host-memory-gb", "23"],
+                  "--micro-batch-size", "1", "--num-samples", "4", "--host-memory-gb", "23", "--precision", "32-true"],
                  marks=pytest.mark.slow),  # DeepSpeed's async I/O op is loaded (built, the first time)
-    ["--model", "gpt2", "--micro-batch-size", "8", "--host-memory-gb", "6"],
-    ["--model", "gpt2", "--micro-batch-size", "8", "--grad-checkpointing", "--host-memory-gb", "6"],
+    ["--model", "gpt2", "--micro-batch-size", "8", "--host-memory-gb", "6", "--precision", "32-true"],
+    ["--model", "gpt2", "--micro-batch-size", "8", "--grad-checkpointing", "--host-memory-gb", "6", "--precision", "32-true"],
 ])
 def test_the_first_advised_command_gets_past_the_refusal(tmp_path, monkeypatch, args):
     """The advice considers every lever the plan knows (precision too), never one in use, and its first command
