@@ -371,14 +371,18 @@ def memory_pair(rec: dict, on_cpu: bool) -> tuple[float, float]:
 # and trains 64 predictions: the same window here is --seq-len 65, whose labels are its inputs shifted by one
 NANOGPT_RECIPE = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--n-head", "4", "--seq-len", "65",
                   "--micro-batch-size", "12", "--dropout", "0", "--lr", "1e-3", "--warmup-steps", "100", "--beta2",
-                  "0.99", "--tokenizer", "char", "--precision", "32-true", "--accelerator", "cpu"]
+                  "0.99", "--tokenizer", "char", "--accelerator", "cpu"]  # the precision: each case's
+
+
+DEFAULTS = "fabric_gpt.py (defaults)"  # the recipe with nothing else: --precision auto and every other automatic choice
 
 
 def bench_text(args) -> None:
     """nanoGPT's shakespeare_char CPU recipe trained by nanogpt_reference.py (nanoGPT's train.py as one plain loop)
-    and by fabric_gpt.py, eager and compiled, in float32 and under bf16 autocast, on the same prepared tokens; the cases alternate over --repeats rounds
-    (a shared machine's speed drifts) and the table gives the median tokens/s of each, and each one's validation
-    loss on the same 200 x 12 fixed validation windows."""
+    and by fabric_gpt.py in its default settings (issue 77: --precision auto's choice here), then eager and compiled
+    in float32 and under bf16 autocast, on the same prepared tokens; the cases alternate over --repeats rounds (a
+    shared machine's speed drifts) and the table gives the median tokens/s of each, and each one's validation loss on
+    the same 200 x 12 fixed validation windows."""
     from core.gpt import text_corpus
 
     out = Path(args.out_dir) / "bench-text"
@@ -389,9 +393,10 @@ def bench_text(args) -> None:
         sys.exit(f"error: --eval-windows {args.eval_windows}: a multiple of the recipe's batch of {batch} is needed")
     common = [*NANOGPT_RECIPE, "--steps", args.steps, "--data-dir", args.data_dir, "--eval-batches", args.eval_windows // batch,
               "--log-every", max(1, args.steps // 4), "--out-dir", out, *args.extra]
-    bf16 = [*common, "--precision", "bf16-mixed"]  # the later flag wins: the recipe's float32 becomes bf16 autocast
+    fp32, bf16 = [*common, "--precision", "32-true"], [*common, "--precision", "bf16-mixed"]
     # name -> (run folder prefix, flags); bf16 autocast takes attention in float32 where that measures faster
-    cases = {"fabric_gpt.py": ("eager", common), "fabric_gpt.py --compile": ("compiled", [*common, "--compile"]),
+    cases = {DEFAULTS: ("default", common), "fabric_gpt.py --precision 32-true": ("eager", fp32),
+             "fabric_gpt.py --precision 32-true --compile": ("compiled", [*fp32, "--compile"]),
              "fabric_gpt.py --precision bf16-mixed": ("bf16", bf16),
              "fabric_gpt.py --precision bf16-mixed --compile": ("bf16-compiled", [*bf16, "--compile"])}
     results: dict = {name: [] for name in ["nanoGPT (nanogpt_reference.py)", *cases]}
@@ -410,7 +415,8 @@ def bench_text(args) -> None:
                 sys.exit(f"error: {name} failed: {last}")
             record = read_record(out / run_name)
             results[name].append({"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"],
-                                  "attention": record.get("attention_kernel")})
+                                  "attention": record.get("attention_kernel"),
+                                  "precision": record["config"]["precision"]})
         print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     nano = [r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"]]  # round by round
     base = statistics.median(nano)
@@ -420,6 +426,8 @@ def bench_text(args) -> None:
              f"`python fabric_gpt.py {' '.join(map(str, NANOGPT_RECIPE))} --steps {args.steps}`", "",
              "| trainer | val loss | tokens/s | vs nanoGPT | same round, median (range) |", "|---|---|---|---|---|"]
     for name, runs in results.items():
+        if name == DEFAULTS:  # what --precision auto chose here (cached: the same in every round)
+            name = f"{name[:-1]}: {', '.join(sorted({r['precision'] for r in runs}))})"
         speed = statistics.median(r["tokens_per_s"] for r in runs)
         loss = statistics.median(r["val_loss"] for r in runs)
         # the machine's speed drifts between rounds: each run against nanoGPT's of its own round is the steadier ratio

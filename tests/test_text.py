@@ -425,8 +425,9 @@ def test_beta2_reaches_adamw_and_a_run_saved_before_it_existed_resumes(tmp_path)
 
 @pytest.mark.slow
 def test_the_nanogpt_bench_races_the_same_recipe_on_the_same_windows(tmp_path, text_dir):
-    """`bench.py text` cut to a few steps: nanoGPT's loop and fabric_gpt.py train nanoGPT's recipe on the same
-    prepared tokens and are scored on the same fixed validation windows (the speed is the benchmark's, not the test's)."""
+    """`bench.py text` cut to a few steps: nanoGPT's loop and fabric_gpt.py (in its default settings, and in each
+    precision eager and compiled) train nanoGPT's recipe on the same prepared tokens and are scored on the same fixed
+    validation windows (the speed is the benchmark's, not the test's)."""
     run_script("-m", "lab.bench", "--out-dir", tmp_path, "text", "--steps", "6", "--eval-windows", "24", "--data-dir", text_dir)
     bench_json = json.loads((tmp_path / "bench-text" / "bench.json").read_text())
     reference = bench_json["results"]["nanoGPT (nanogpt_reference.py)"][0]
@@ -443,4 +444,6 @@ def test_the_nanogpt_bench_races_the_same_recipe_on_the_same_windows(tmp_path, t
     for name, runs in bench_json["results"].items():  # 6 steps from uniform over 84 characters (4.43)
         assert 2.5 < runs[0]["val_loss"] < 4.43 and runs[0]["tokens_per_s"] > 0, name
     table = (tmp_path / "bench-text" / "table.md").read_text()
-    assert "| nanoGPT (nanogpt_reference.py) |" in table and "| fabric_gpt.py --compile |" in table
+    assert "| nanoGPT (nanogpt_reference.py) |" in table and "| fabric_gpt.py --precision 32-true --compile |" in table
+    chosen = json.loads((tmp_path / "bench-text" / "default-0" / "record.json").read_text())["config"]["precision"]
+    assert chosen in ("32-true", "bf16-mixed") and f"| fabric_gpt.py (defaults: {chosen}) |" in table  # issue 77's race
