@@ -158,7 +158,8 @@ def minimal_flags(cfg, heads: int, device: str = "cpu") -> list[str]:
            "--n-layer", cfg.n_layer, "--seq-len", MINIMAL["seq_len"], "--vocab-size", MINIMAL["vocab_size"],
            "--micro-batch-size", MINIMAL["micro_batch_size"], "--grad-accum", cfg.grad_accum,
            "--num-samples", samples, "--steps", steps, "--timing-warmup", FIXED_WARMUP, "--strategy", cfg.strategy,
-           "--precision", cfg.precision if cfg.precision != "auto" else "32-true", "--devices", cfg.devices, "--accelerator", torch.device(device).type, "--optimizer", cfg.optimizer,
+           "--precision", cfg.precision if cfg.precision != "auto" else "32-true", "--devices", cfg.devices,
+           "--accelerator", torch.device(device).type, "--optimizer", cfg.optimizer,
            "--grad-clip", cfg.grad_clip, "--pp-schedule", cfg.pp_schedule, "--tp-size", cfg.tp_size,
            "--pp-size", cfg.pp_size, "--log-every", steps,
            # the run's precision, attention dtype and GELU, never auto: their probes would wait for the lock this
