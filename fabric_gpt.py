@@ -40,7 +40,7 @@ from core.run.hardware import check_hardware, compile_cache_per_caps, return_fre
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
 from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resume_run_name
 from core.run.measurements import rank_threads
-from core.run.ranks import any_rank, check_launcher, launch, take_fabric_run_settings
+from core.run.ranks import agree_on_precision, check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
@@ -620,7 +620,7 @@ def main(argv=None) -> dict:
         fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                         strategy=strategies.make_strategy(cfg, on_gpu), **fabric_precision(cfg, on_gpu))
         launch(fabric, cfg.num_nodes, cfg.node_timeout)
-        agree_on_precision(fabric, cfg)
+        agree_on_precision(fabric, cfg.precision)
         n_params, attn = count_parameters(cfg)
         plan = accounting.device_plan(cfg, on_gpu, (n_params, attn))
         peak = accounting.peak_flops(fabric.device, cfg.precision)  # on CPU a short matmul probe, before any model
@@ -755,14 +755,6 @@ def gelu_note(cfg: Config) -> str:
     measured = (f"; forward and backward at {' x '.join(map(str, gelu_shape(cfg)))}: C++ {1e3 * speeds['cpp_s']:.2f} "
                 f"ms, F.gelu {1e3 * speeds['torch_s']:.2f} ms" if speeds else "")
     return f"GELU (tanh): {names.get(cfg.gelu_impl, 'F.gelu (torch)')}{measured}"
-
-
-def agree_on_precision(fabric: Fabric, cfg: Config) -> None:
-    """Ranks on different CPUs, each with its own --precision auto measurement, must still compute in one precision."""
-    (differ,) = any_rank(fabric, fabric.broadcast(cfg.precision) != cfg.precision)
-    if differ:
-        raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); pass "
-                          "--precision 32-true or bf16-mixed explicitly")
 
 
 def disk_plan(cfg: Config) -> dict:

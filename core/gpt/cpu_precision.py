@@ -42,7 +42,10 @@ def choose(cfg, n_threads: int, makers, matmul_peaks) -> dict:
         return {"choice": "32-true", "why": "no bf16 instructions on this CPU (torch would emulate bf16)"}
     if probe_flops(cfg) > STEP_BUDGET:
         return by_matmul_rates(*matmul_peaks())
-    settings, steps = probe_settings(cfg, n_threads), makers()
+    settings = probe_settings(cfg, n_threads)
+    if known := cached("precision", settings, None, allow_measure=False):  # no model built, no lock taken
+        return known
+    steps = makers()
     return cached("precision", settings, lambda: measure(settings, n_threads, steps))
 
 

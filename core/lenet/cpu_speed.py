@@ -11,10 +11,9 @@ from pathlib import Path
 
 import torch
 
-from core.run.flags import ConfigError
 from core.run.hardware import cpu_name, cpu_units, isa_caps, uses_gpu
 from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
-from core.run.ranks import any_rank
+from core.run import ranks
 
 
 class ZeroPaddedConv2d(torch.nn.Conv2d):
@@ -132,10 +131,8 @@ def probe_line(probe: dict) -> str:
 
 
 def agree_on_precision(fabric, precision: str, probe: dict | None) -> None:
-    """Ranks on different CPUs, each with its own --precision auto probe, must still compute in one precision."""
-    (differ,) = any_rank(fabric, fabric.broadcast(precision) != precision)
-    if differ:
-        raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); "
-                          "pass --precision 32-true or bf16-mixed explicitly")
+    """Ranks on different CPUs, each with its own --precision auto probe, must still compute in one precision
+    (ranks.agree_on_precision); then the probe's line."""
+    ranks.agree_on_precision(fabric, precision)
     if probe:
         fabric.print(probe_line(probe))

@@ -327,6 +327,14 @@ def watch_peers(fabric, after, num_nodes: int, timeout: float, tag: str) -> None
         PeerWatch(fabric, after, num_nodes, timeout, tag)
 
 
+def agree_on_precision(fabric, precision: str) -> None:
+    """Ranks on different CPUs, each with its own --precision auto measurement, must still compute in one precision."""
+    (differ,) = any_rank(fabric, fabric.broadcast(precision) != precision)
+    if differ:
+        raise ConfigError("--precision auto chose differently on different ranks (different CPUs or caches); "
+                          "pass --precision 32-true or bf16-mixed explicitly")
+
+
 def any_rank(fabric, *flags: bool) -> tuple[bool, ...]:
     """Each flag OR-ed across ranks, so every rank takes the same branch (one all-reduce when distributed)."""
     if fabric.world_size == 1:
