@@ -38,7 +38,7 @@ from core.run.checkpoints import ResumeError
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, return_freed_host_memory, uses_gpu
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
-from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resume_run_name
+from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resumed_precision
 from core.run.measurements import rank_threads
 from core.run.ranks import agree_on_precision, check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
@@ -191,7 +191,7 @@ def resolve_precision(cfg: Config) -> None:
     precision_choice = None
     if cfg.precision != "auto":
         return
-    if resumed := resumed_precision(cfg):  # a new measurement near the margin must not refuse the resume
+    if resumed := resumed_precision(cfg.resume, cfg.out_dir, cfg.run_name, "gpt"):
         precision_choice = {"choice": resumed, "why": "the precision the resumed run trained in"}
         cfg.precision = resumed
         return
@@ -202,17 +202,6 @@ def resolve_precision(cfg: Config) -> None:
 
 
 precision_choice = None  # what --precision auto measured, for the start-up lines
-
-
-def resumed_precision(cfg: Config) -> str | None:
-    """With --resume, the precision the run being resumed recorded (config.json), if it has one."""
-    if not cfg.resume:
-        return None
-    try:
-        name = cfg.run_name or resume_run_name(cfg.resume, cfg.out_dir, "gpt")
-        return json.loads((Path(cfg.out_dir) / name / "config.json").read_text()).get("precision")
-    except (ResumeError, OSError, ValueError):  # nothing to resume yet: find_run says so, or starts the run
-        return None
 
 
 def probe_step(cfg: Config, precision: str):

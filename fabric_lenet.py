@@ -29,7 +29,7 @@ from core.run import flags
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
 from core.run.layout import Parallel
-from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run
+from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resumed_precision
 from core.run.ranks import check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer, progress_bar
 from gelu_ext import ACTIVATIONS, GeluBuildError
@@ -342,7 +342,7 @@ def evaluate(fabric: Fabric, model: nn.Module, test_tensors, batch: int = 1000) 
 
 def validate(cfg: Config) -> dict | None:
     """Every impossible combination is refused here, before data or model are touched. Returns what --precision
-    auto measured on a CPU (None when it did not measure)."""
+    auto measured on a CPU (None when it did not measure; for a resume, the precision it trained in)."""
     flags.check_config(cfg)  # each flag's own range, again for a config built in Python
     world = cfg.layout.world
     if cfg.batch_size % world:
@@ -370,7 +370,10 @@ def validate(cfg: Config) -> dict | None:
         load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
     probe = None
     if cfg.precision == "auto":  # resolved here, so config.json and resume compare the precision that ran
-        cfg.precision, probe = cpu_speed.lenet_precision(cfg, lambda: LeNet5(cfg))
+        if resumed := resumed_precision(cfg.resume, cfg.out_dir, cfg.run_name, "lenet"):
+            cfg.precision, probe = resumed, {"choice": resumed, "resumed": True}
+        else:
+            cfg.precision, probe = cpu_speed.lenet_precision(cfg, lambda: LeNet5(cfg))
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint and the first epoch's figures fit, or no step is taken
     return probe
 

@@ -1,6 +1,7 @@
 """fabric_lenet.py: the model, real training on real MNIST, 2-process DDP against 1 process, bad flags."""
 
 import dataclasses
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -267,6 +268,12 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
     assert f"precision auto: {probe['choice']}" in proc.stdout and "measured now" in proc.stdout
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "again")
     assert read_summary(tmp_path / "again")["precision_probe"]["cached"] and "cached" in proc.stdout
+    cache = tmp_path / "cache" / "precision-probe.json"  # now saying the other: a resume keeps the run's own
+    other = {"32-true": "bf16-mixed", "bf16-mixed": "32-true"}[probe["choice"]]
+    cache.write_text(json.dumps({k: {**v, "choice": other} for k, v in json.loads(cache.read_text()).items()}))
+    proc = run_in_process("fabric_lenet.py", *common, "--run-name", "again", "--resume", "auto", "--max-steps", "3")
+    assert read_summary(tmp_path / "again")["config"]["precision"] == probe["choice"]
+    assert f"precision auto: {probe['choice']} (the precision the resumed run trained in" in proc.stdout
     run_in_process("fabric_lenet.py", *common, "--run-name", "forced", "--precision", "32-true")
     forced = read_summary(tmp_path / "forced")
     assert forced["config"]["precision"] == "32-true" and forced["precision_probe"] is None

@@ -123,6 +123,8 @@ def lenet_precision(cfg, make_model) -> tuple[str, dict | None]:
 
 
 def probe_line(probe: dict) -> str:
+    if probe.get("resumed"):
+        return f"precision auto: {probe['choice']} (the precision the resumed run trained in; --precision forces one)"
     s = probe["samples_per_s"]
     when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
     return (f"precision auto: {probe['choice']} (LeNet-5 step at batch {probe['key']['local_batch']}, "

@@ -186,6 +186,18 @@ def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
     return max(runs, key=newest).name  # by its checkpoints alone: a folder set aside (abandoned-*) is not one
 
 
+def resumed_precision(resume: str, out_dir: str, run_name: str, kind: str) -> str | None:
+    """With --resume, the precision the run being resumed recorded (config.json), if it has one: --precision auto
+    takes it, as a new measurement near its margin could choose the other and refuse the resume as another setting."""
+    if not resume:
+        return None
+    try:
+        name = run_name or resume_run_name(resume, out_dir, kind)
+        return json.loads((Path(out_dir) / name / "config.json").read_text()).get("precision")
+    except (ResumeError, OSError, ValueError):  # nothing to resume yet: find_run says so, or starts the run
+        return None
+
+
 def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str,
                           added: dict | None = None) -> None:
     """Refuse to continue a checkpoint under settings that change what it means; list every difference.
