@@ -182,7 +182,7 @@ def test_resume_auto_sets_every_damaged_checkpoint_aside_and_starts_over(mnist_d
                              "--resume", "auto")
     assert "every checkpoint of" in started.stdout and "the run starts over" in started.stdout, started.stdout
     aside = list((tmp_path / "lenet-broken" / "checkpoints").glob("damaged-*/step-*"))
-    assert len(aside) == 2 and read_summary(tmp_path / "lenet-broken")["steps"] == 3 and "resumed" not in started.stdout
+    assert len(aside) == 2 and read_summary(tmp_path / "lenet-broken")["steps"] == 3 and "resumed from" not in started.stdout
     run_in_process("fabric_lenet.py", *args, "--run-name", "lenet-newer", "--max-steps", "1")
     time.sleep(0.01)
     (tmp_path / "lenet-broken" / "checkpoints" / "abandoned-later").mkdir()  # newer than lenet-newer's checkpoint
