@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gelu_ext
 from core.gpt import cpu_precision, hf_export, strategies, swap_files, text_corpus
 from core.gpt.gpt_model import (PRESETS, attention_kernel, build_model, compile_blocks, compute_dtype, count_parameters,
-                                 math_dtype, resolve_attention)
+                                 math_dtype, positions, resolve_attention, window_loss)
 from core.plan import accounting, disk, gpt_figures, gpu_efficiency, perf_model, published
 from core.run import flags
 from core.run.checkpoints import ResumeError
@@ -54,7 +54,7 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     n_embd: int = opt(0, "hidden size (0: the preset's)", min=0)
     n_layer: int = opt(0, "transformer blocks (0: the preset's)", min=0)
     n_head: int = opt(0, "attention heads (0: the preset's)", min=0)
-    seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=0)
+    seq_len: int = opt(0, "tokens per sample (0: the preset's context length)", min=2, zero=True)
     vocab_size: int = opt(0, "vocabulary size (0: the preset's)", min=2, zero=True)
     pad_vocab_to: int = opt(0, "embedding and head rows a multiple of this (64: 50,257 -> 50,304); the padding is "
                             "masked, never exported (0: 64 on GPUs, else 1)", min=1, max=4096, zero=True,
@@ -219,7 +219,7 @@ def probe_step(cfg: Config, precision: str):
 
         def step():
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                loss = model(input_ids=tokens, labels=tokens).loss
+                loss = window_loss(model, tokens)
             loss.backward()
         return step
     return make
@@ -357,7 +357,7 @@ def step_data_parallel(run: Run, model, optimizer, micro_batches) -> tuple[torch
     for i, tokens in enumerate(micro_batches):
         # skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) until the last micro-batch
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = window_loss(model, tokens)
             fabric.backward(loss / len(micro_batches))
         loss_sum += loss.detach()
     scaler = loss_scaler(fabric)
@@ -391,7 +391,7 @@ def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Ten
     loss_sum = torch.zeros((), device=fabric.device)
     skipped_before = engine.skipped_steps
     for tokens in micro_batches:
-        loss = model(input_ids=tokens, labels=tokens).loss
+        loss = window_loss(model, tokens)
         fabric.backward(loss)
         engine.step()
         loss_sum += loss.detach()
@@ -401,10 +401,12 @@ def step_deepspeed(run: Run, model, optimizer, micro_batches) -> tuple[torch.Ten
 
 def through_stages(fabric, stage, call, tokens: torch.Tensor) -> list:
     """Give a pipeline schedule's `call` (step: forward and backward, or eval) this stage's part: the first stage
-    feeds the tokens, the last compares with them as targets. Returns the last stage's micro-batch losses."""
+    feeds the windows' first seq_len - 1 tokens, the last compares with the tokens after each (gpt_model.window_loss).
+    Returns the last stage's micro-batch losses."""
     losses: list = []
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     with fabric.autocast():
-        call(*([tokens] if stage.first else []), **({"target": tokens, "losses": losses} if stage.last else {}))
+        call(*([inputs] if stage.first else []), **({"target": targets, "losses": losses} if stage.last else {}))
     return losses
 
 
@@ -435,7 +437,7 @@ def evaluate(run: Run, model, loader, schedule=None) -> float:
         for _ in range(cfg.eval_batches):
             micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
             if schedule is None:
-                total += sum(model(input_ids=t, labels=t).loss.float() for t in micro_batches) / len(micro_batches)
+                total += sum(window_loss(model, t).float() for t in micro_batches) / len(micro_batches)
             else:
                 total += pipeline_eval_loss(fabric, model, cfg, schedule, torch.cat(micro_batches))
     model.train()
@@ -518,8 +520,8 @@ def mean_loss(fabric, cfg: Config, loss) -> float:
 def log_step(run: Run, step, stop_at, loss, norm, step_time, flops, skipped=False) -> None:
     fabric, cfg = run.fabric, run.cfg
     samples_s = samples_per_step(cfg) / step_time
-    tokens_s = samples_s * (cfg.seq_len - 1)  # the tokens trained on: a window predicts its next seq_len - 1
-    tflops = flops["standard"] * samples_s * cfg.seq_len / fabric.world_size / 1e12  # the model runs every position
+    tokens_s = samples_s * positions(cfg)  # the tokens trained on: a window predicts its next seq_len - 1
+    tflops = flops["standard"] * samples_s * positions(cfg) / fabric.world_size / 1e12
     metrics = {"train/loss": loss, "train/grad_norm": norm, "perf/step_time_s": step_time, "perf/tokens_per_s": tokens_s,
                "perf/tflops_per_device": tflops}
     run.logger.log_metrics(metrics, step=step)
@@ -729,7 +731,7 @@ def resolve_gelu(cfg: Config, on_gpu: bool) -> str:
 
 def gelu_shape(cfg: Config) -> tuple[int, int]:
     """(tokens, width) of one micro-batch's MLP activation."""
-    return cfg.micro_batch_size * cfg.seq_len, 4 * cfg.n_embd
+    return cfg.micro_batch_size * positions(cfg), 4 * cfg.n_embd
 
 
 def gelu_speeds(cfg: Config, allow_measure: bool = True) -> dict | None:

@@ -368,7 +368,7 @@ def memory_pair(rec: dict, on_cpu: bool) -> tuple[float, float]:
 # nanoGPT's shakespeare_char recipe on a CPU (its README: block 64, batch 12, 4 layers of 4 heads and width 128,
 # 2000 iterations, no dropout; its config: lr 1e-3 with 100 warm-up steps and cosine to 1e-4, AdamW betas 0.9/0.99,
 # weight decay 0.1, clip 1.0), in fabric_gpt.py's flags. nanoGPT's block of 64 reads 65 tokens (x and y, one apart)
-# and trains 64 predictions: the same window here is --seq-len 65, whose labels are its inputs shifted by one
+# and trains 64 predictions: the same window here is --seq-len 65, its first 64 tokens in and the 64 after as labels
 NANOGPT_RECIPE = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--n-head", "4", "--seq-len", "65",
                   "--micro-batch-size", "12", "--dropout", "0", "--lr", "1e-3", "--warmup-steps", "100", "--beta2",
                   "0.99", "--tokenizer", "char", "--accelerator", "cpu"]  # the precision: each case's

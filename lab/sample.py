@@ -65,7 +65,7 @@ def generate(model, ids: list[int], cfg: Config, context: int, vocab: int) -> li
     generator = torch.Generator().manual_seed(cfg.seed)
     x = torch.tensor([ids])
     for _ in range(cfg.max_new_tokens):
-        # at most context - 1 tokens: training (labels = inputs) never asks the last position for a next token
+        # at most context - 1 tokens: training (gpt_model.window_loss) never runs the last position
         logits = model(input_ids=x[:, -(context - 1):]).logits[:, -1, :vocab].float() / cfg.temperature
         if cfg.top_k and cfg.top_k < vocab:
             kth = torch.topk(logits, cfg.top_k).values[:, -1:]

@@ -1170,7 +1170,7 @@ def test_auto_gelu_follows_the_measurement_and_cpp_is_refused_under_tensor_paral
     cfg = gpt.resolve(gpt.Config(model="tiny", precision="bf16-mixed", accelerator="cpu"))
     for cpp, impl in ((0.5, "cpp"), (2.0, "torch")):
         assert gpt.resolve_gelu(cfg, on_gpu=False) == impl
-    assert asked[-1][:3] == (4 * 64, 4 * 64, torch.bfloat16)  # tokens, width, autocast's dtype
+    assert asked[-1][:3] == (4 * 63, 4 * 64, torch.bfloat16)  # tokens (4 windows of 64: 63 positions), width, autocast's dtype
     calls, cpp = len(asked), 0.5
     for other, on_gpu in (({}, True), ({"compile": True}, False), ({"strategy": "tp", "devices": 2}, False)):
         assert gpt.resolve_gelu(gpt.resolve(gpt.dataclasses.replace(cfg, **other)), on_gpu) == "torch", other

@@ -55,8 +55,8 @@ def test_ddp_step_time_is_compute_plus_the_ring_all_reduce_left_over():
     cfg = cfg_of(strategy="ddp", devices=8, precision="32-true")
     n = gpt.count_parameters(cfg)[0]
     t = perf_model.time_plan(cfg, TOY, n)
-    tokens = cfg.micro_batch_size * cfg.seq_len
-    compute = (6 * n + 12 * 48 * 1600 * 1024) * tokens / 5e12
+    tokens = cfg.micro_batch_size * (cfg.seq_len - 1)  # a window of 1,024 tokens computes 1,023 positions
+    compute = (6 * n + 12 * 48 * 1600 * 1023) * tokens / 5e12
     comm = 2 * 7 / 8 * 4 * n / 100e9
     assert t["compute_s"] == pytest.approx(compute, rel=1e-9)
     assert t["comm_s"] == pytest.approx(comm, rel=1e-9)
@@ -80,7 +80,7 @@ def test_pipeline_bubble_and_the_last_stage_head():
 def test_tensor_parallel_all_reduces_every_block_forward_and_backward():
     cfg = cfg_of(strategy="tp", devices=4, micro_batch_size=2, grad_accum=3)
     acts = [r for r in perf_model.comm_table(cfg) if r["bytes"] > 8]
-    assert acts == [dict(acts[0], bytes=1024 * 2 * 1600 * 2, count=4 * 48 * 3)]  # s·b·h bf16, 4 per block per micro-batch
+    assert acts == [dict(acts[0], bytes=1023 * 2 * 1600 * 2, count=4 * 48 * 3)]  # s·b·h bf16 (s: 1,023 positions), 4 per block per micro-batch
 
 
 def test_offload_moves_partitions_over_pcie_and_nvme():
@@ -376,7 +376,7 @@ def test_a_3d_layout_splits_each_stage_by_tensor_parallel():
     tp = [r for r in rows if r["kind"] == "all_reduce" and r["group_size"] == 8 and r["bytes"] > 8]
     assert tp[0]["count"] == 4 * 12 * 8 and tp[0]["link"] == "intra"
     send = next(r for r in rows if r["kind"] == "send")
-    assert send["bytes"] == 1024 * 1 * 1600 * 4 // 8 and send["link"] == "inter"
+    assert send["bytes"] == 1023 * 1 * 1600 * 4 / 8 and send["link"] == "inter"
     pipe = perf_model.flops_per_device(dataclasses.replace(cfg, strategy="pp", tp_size=0), gpt.count_parameters(cfg)[0])
     assert perf_model.flops_per_device(cfg, gpt.count_parameters(cfg)[0])["busiest"] == pytest.approx(pipe["busiest"] / 8)
 

@@ -61,10 +61,12 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = CHUNK,
-                   classes: int | None = None) -> torch.Tensor:
+                   classes: int | None = None, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' causal LM loss of hidden states [B, T, h] under the head `weight` (labels: [B, T] token ids),
-    over the first `classes` rows of the head (all by default)."""
-    h, targets = hidden.reshape(-1, hidden.shape[-1]), shifted(labels)
+    over the first `classes` rows of the head (all by default); shift_labels, as transformers', are labels shifted
+    already: each position's own target."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    targets = shifted(labels) if shift_labels is None else shift_labels.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(h, weight, targets, chunk, classes)
     total = sum(chunk_loss(h[s:s + chunk], weight, targets[s:s + chunk], classes)[0]

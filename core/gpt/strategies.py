@@ -451,9 +451,10 @@ def pipeline_stage_module(model: nn.Module, stage: int, pp: int) -> GPT2Stage:
     return GPT2Stage(model, stage_blocks(n_layer, pp, stage), first=stage == 0, last=stage == pp - 1)
 
 
-def causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The loss GPT2LMHeadModel computes from labels=input_ids: predict token t+1 from tokens up to t."""
-    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss GPT2LMHeadModel computes (gpt_model.window_loss): the last stage's logits of a window's first
+    seq_len - 1 tokens against the tokens after each (through_stages feeds them so)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def make_pipeline_schedule(stage_module, fabric, mesh, schedule: str, n_micro: int):

@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from core.gpt.chunked_loss import CHUNK
-from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, model_vocab
+from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, model_vocab, positions
 from core.gpt.strategies import deepspeed_on_cpu, fsdp_gathers_bf16
 from core.run import measurements
 from core.run.flags import ConfigError
@@ -135,7 +135,7 @@ def _rate(fn, n: int, seconds: float, windows: int = 4) -> float:
 def flops_per_token(cfg, n_params: int) -> dict:
     """Training FLOPs per token. Standard (PaLM appendix B, nanoGPT): 6N + 12·L·H·Q·T, the model's work.
     Course formula: 8N, i.e. 6N plus a second forward (2N) as activation recomputation costs."""
-    attention = 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.seq_len
+    attention = 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * positions(cfg)
     return {"standard": 6 * n_params + attention, "course_8n": 8 * n_params}
 
 
@@ -248,7 +248,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     it was 2r + 14w + 12g: 112 bytes in float32, 84 under autocast on an H100, where pow ran in float32.) Autocast also keeps each block's 16-bit weight
     copies (12h² x 2 bytes) for backward. Eager attention adds the s x s scores (Korthikanti's 5as/h, in w-byte
     words). Tensor parallel splits all but the LayerNorms' inputs and outputs by t."""
-    s, b, h, a, L, V = cfg.seq_len, cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, model_vocab(cfg)
+    s, b, h, a, L, V = positions(cfg), cfg.micro_batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, model_vocab(cfg)
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
     lay = cfg.layout
@@ -376,7 +376,7 @@ def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> floa
     blocks' activations. GPT-2 small's 154 MB embedding gradient goes back to the system, its 2-9 MB block matrices
     stay. Measured with mallinfo2 before a save (GPT-2 small's width, 4 blocks, AVX-512 EPYC): 0.165 GiB of freed
     heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing (0.239; every freed tensor counted, 0.375)."""
-    h, V, L, s, b = cfg.n_embd, model_vocab(cfg), cfg.n_layer, cfg.seq_len, cfg.micro_batch_size
+    h, V, L, s, b = cfg.n_embd, model_vocab(cfg), cfg.n_layer, positions(cfg), cfg.micro_batch_size
     matrices = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
 
     def resident(numels, nbytes):

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 
+from core.gpt.gpt_model import positions
 from core.plan import accounting, perf_model
 from core.plan.comm_counter import CommCounter
 from core.run.hardware import cpu_name
@@ -68,9 +69,9 @@ def measured(fabric, cfg, timing: dict, n_params: int, plan: dict, progress, pea
     # None (null in record.json) when every step of the run was warm-up: not timed, rather than NaN
     step_time = seconds / steps if steps else None
     samples_s = samples_per_step / step_time if steps else None
-    tokens_s = samples_s * (cfg.seq_len - 1) if steps else None  # trained on: a window predicts its next seq_len - 1
+    tokens_s = samples_s * positions(cfg) if steps else None  # trained on: a window predicts its next seq_len - 1
     # FLOPs per token times every position the model runs, per device
-    per_device = lambda f: f * samples_s * cfg.seq_len / fabric.world_size / 1e12 if steps else None  # noqa: E731
+    per_device = lambda f: f * samples_s * positions(cfg) / fabric.world_size / 1e12 if steps else None  # noqa: E731
     peak_flops, peak_source = peak
     mfu = per_device(flops["standard"]) * 1e12 / peak_flops if peak_flops and steps else None
     if mfu and mfu > 1 and fabric.device.type == "cpu":

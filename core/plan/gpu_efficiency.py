@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from core.gpt.gpt_model import positions
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -311,11 +313,11 @@ def passes(cfg, framework: Framework, vocab: int) -> dict:
     t = cfg.layout.tp_size
     if framework.block == "counted":
         deepspeed = cfg.layout.deepspeed
-        work = eager_work(cfg.n_embd, cfg.n_head, cfg.seq_len, vocab, cfg.micro_batch_size, cfg.precision, deepspeed)
+        work = eager_work(cfg.n_embd, cfg.n_head, positions(cfg), vocab, cfg.micro_batch_size, cfg.precision, deepspeed)
         return {k: (w.scaled(t) if k.startswith("block") else w) for k, w in work.items()}
     word = 4 if cfg.precision == "32-true" else 2
-    block = fused_block(cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.micro_batch_size, t, framework.attention, word)
-    head = fused_head(cfg.n_embd, vocab, cfg.seq_len, cfg.micro_batch_size, t if framework.splits_head else 1, word)
+    block = fused_block(cfg.n_embd, cfg.n_head, positions(cfg), cfg.micro_batch_size, t, framework.attention, word)
+    head = fused_head(cfg.n_embd, vocab, positions(cfg), cfg.micro_batch_size, t if framework.splits_head else 1, word)
     return {"block_forward": block[0], "block_backward": block[1], "head_forward": head[0], "head_backward": head[1]}
 
 

@@ -260,7 +260,7 @@ def comm_table(cfg) -> list[dict]:
     elif lay.fsdp:
         rows += fsdp_rows(cfg, params, dp, t, dp_link)
     if lay.tensor_parallel:
-        activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["matmul_out"]
+        activation = gpt_model.positions(cfg) * cfg.micro_batch_size * cfg.n_embd * w["matmul_out"]
         # per block of this rank's stage: attention's and the MLP's row-parallel outputs in forward, the
         # column-parallel inputs' gradients in backward (no sequence parallelism)
         rows.append(row("all_reduce", t, activation, 4 * -(-cfg.n_layer // p) * m, tp_link, "none"))
@@ -384,7 +384,7 @@ def pipeline_rows(cfg, params, p, dp, w) -> list[dict]:
     # under 3-D layouts (plans only) each tensor-parallel rank sends its 1/t of the activation (Megatron's
     # scatter/gather) and holds 1/t of every matrix and of the vocabulary-parallel embedding
     t = cfg.layout.tp_size if cfg.layout.tensor_parallel else 1
-    activation = cfg.seq_len * cfg.micro_batch_size * cfg.n_embd * w["residual"] / t
+    activation = gpt_model.positions(cfg) * cfg.micro_batch_size * cfg.n_embd * w["residual"] / t
     rows = [row("send", p, activation, m, link, "none"), row("recv", p, activation, m, link, "none"),
             row("all_reduce", 2 if p > 1 else 1, gpt_model.model_vocab(cfg) * cfg.n_embd * w["grad"] / t, 1, link, "none"),
             row("all_reduce", cfg.layout.world, 8, 1, link_of(cfg, "dp"), "none")]
@@ -429,7 +429,7 @@ def flops_per_device(cfg, n_params: int) -> dict:
     recompute = (blocks / 3) if cfg.grad_checkpointing else 0  # one more forward of every block
     lay = cfg.layout
     dp, t, p, world = lay.dp_size, lay.tp_size, lay.pp_size, lay.world
-    tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len  # per data-parallel rank
+    tokens = cfg.micro_batch_size * cfg.grad_accum * gpt_model.positions(cfg)  # per data-parallel rank
     if lay.pipeline:  # (under 3-D layouts, plans only, tensor parallel splits each stage's blocks and head)
         t = lay.tp_size if lay.tensor_parallel else 1
         per_block, head = (blocks + recompute) / L / t, head / t
@@ -511,7 +511,7 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0, framework
     if measured:
         step = measured["step_time_s"]
     samples_per_step = cfg.micro_batch_size * m * lay.dp_size
-    tokens_per_step = samples_per_step * (cfg.seq_len - 1)  # trained on: a window predicts its next seq_len - 1 tokens
+    tokens_per_step = samples_per_step * gpt_model.positions(cfg)  # each window predicts its next seq_len - 1 tokens
     tokens_s = tokens_per_step / step
     world = lay.world
     model_flops = accounting.flops_per_token(cfg, n_params)["standard"]
@@ -521,7 +521,7 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0, framework
            "kernels": kernels,
            "step_time_s": step, "compute_s": compute, "comm_s": comm_s, "comm_exposed_s": exposed, "bubble_s": bubble,
            "offload_s": offload, "offload": offload_parts, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_s,
-           "mfu": model_flops * samples_per_step * cfg.seq_len / step / ((1 if cluster.shared_cores else world) * peak),
+           "mfu": model_flops * tokens_per_step / step / ((1 if cluster.shared_cores else world) * peak),
            "comm": comm,
            "comm_bytes": sum(r["bytes"] * r["count"] for r in comm), "measured_step": measured,
            "measured_on": cluster.measured_on}
