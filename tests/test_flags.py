@@ -164,6 +164,7 @@ def sane(kind, text, value) -> bool:
     (fabric_gpt, ["--plan", "--host-memory-gb", "-2"], "--host-memory-gb"),
     (fabric_gpt, ["--plan", "--device-memory-gb", "nan"], "--device-memory-gb"),
     (fabric_gpt, ["--out-dir", "README.md"], "--out-dir must be a folder"),
+    (fabric_gpt, ["--seq-len", "1"], "--seq-len must be an integer >= 2, or 0"),  # a window with nothing to predict
     (fabric_lenet, ["--lr", "nan"], "--lr must be a finite number > 0"),
     (fabric_lenet, ["--lr", "inf"], "--lr"),
     (fabric_lenet, ["--weight-decay", "-1"], "--weight-decay"),
