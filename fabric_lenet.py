@@ -10,6 +10,7 @@ Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json an
 """
 
 import collections
+import dataclasses
 import math
 import sys
 import time
@@ -57,8 +58,9 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                            "(core/lenet/whole_step.py; one device, in-memory data, AdamW)", runtime=True)
     sync_check: bool = opt(False, "CUDA: fail at a host synchronisation in a step (from a shape's 4th)", runtime=True)
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU", runtime=True)
-    pad_channels: int = opt(8, "with --channels-last, compute conv1's 6 channels as this many (docs/lenet.md); 0: off",
-                            min=6, max=64, zero=True, runtime=True)
+    pad_channels: int | str = opt("auto", "with --channels-last, compute conv1's 6 channels as this many; 0: off; auto: 8 "
+                                  "or 0, timed here (docs/lenet.md)", check=flags.number(int, min=6, max=64, zero=True,
+                                                                                     auto=True), runtime=True)
     # Batch 512 (lr 8e-3): as accurate as 128 or 256, 1.2-1.5x the samples/s on 2 CPU cores. 16 epochs with label
     # smoothing: 99.42% mean over 5 seeds, against 99.35% for 12 or 16 without (make bench-lenet, docs/lenet.md)
     epochs: int = opt(16, "passes over the training set", min=1, group="optimisation")
@@ -109,7 +111,7 @@ class LeNet5(nn.Module):
         pool_act = (lambda: [nn.MaxPool2d(2), act()]) if relu else (lambda: [act(), nn.MaxPool2d(2)])
         # conv1's 6 channels travel as cfg.pad_channels (zeros in the extra ones) from conv1 to conv2's input, a whole
         # CPU vector (core/lenet/cpu_speed.py); in NCHW the pooling does not vectorize across channels and padding only adds work
-        pad = max(cfg.pad_channels - 6, 0) if cfg.channels_last else 0
+        pad = cpu_speed.conv1_channels(cfg) - 6
         self.features = nn.Sequential(
             cpu_speed.ZeroPaddedConv2d(1, 6, 5, padding=2, pad_out=pad), *pool_act(),   # 1x28x28 -> 6x28x28 -> 6x14x14
             cpu_speed.ZeroPaddedConv2d(6, 16, 5, pad_in=pad), *pool_act(),              # -> 16x10x10 -> 16x5x5
@@ -369,11 +371,14 @@ def validate(cfg: Config) -> dict | None:
 
         load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
     probe = None
-    if cfg.precision == "auto":  # resolved here, so config.json and resume compare the precision that ran
-        if resumed := resumed_precision(cfg.resume, cfg.out_dir, cfg.run_name, "lenet"):
-            cfg.precision, probe = resumed, {"choice": resumed, "resumed": True}
-        else:
-            cfg.precision, probe = cpu_speed.lenet_precision(cfg, lambda: LeNet5(cfg))
+    resumed = cfg.precision == "auto" and resumed_precision(cfg.resume, cfg.out_dir, cfg.run_name, "lenet")
+    if resumed:  # its own precision: a new measurement near the margin could refuse the resume as another setting
+        cfg.precision = resumed
+    if "auto" in (cfg.precision, cfg.pad_channels):  # resolved here, so config.json and resume compare what ran
+        make = lambda pad: LeNet5(dataclasses.replace(cfg, pad_channels=pad))  # noqa: E731
+        cfg.precision, cfg.pad_channels, probe = cpu_speed.lenet_cpu_choice(cfg, make)
+    if resumed:
+        probe = {**(probe or {}), "resumed": resumed}
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint and the first epoch's figures fit, or no step is taken
     return probe
 

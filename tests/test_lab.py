@@ -177,7 +177,8 @@ def test_an_interrupted_lenet_stage_continues_its_run(mnist_dir, tmp_path):
     config = ast.literal_eval(next(line for line in log.read_text().splitlines() if line.startswith("config: "))[8:])
     default = dataclasses.asdict(Config())
     changed = {k for k in default if config[k] != default[k]}
-    assert changed <= {"run_name", "out_dir", "data_dir", "resume", "precision"} and config["resume"] == "auto", changed
+    resolved = {"precision", "pad_channels"}  # auto's answers, recorded as what ran
+    assert changed <= {"run_name", "out_dir", "data_dir", "resume", *resolved} and config["resume"] == "auto", changed
     assert steps_per_epoch(60_000, Config(), 1) > 100  # the default run had most of its steps still to go
 
 

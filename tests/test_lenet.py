@@ -218,7 +218,7 @@ def test_auto_precision_takes_the_faster_measured_step_and_caches_it(tmp_path):
     cache, calls = tmp_path / "probe.json", []
 
     def timings(fp32, bf16):
-        return lambda: calls.append(1) or {"32-true": [fp32] * 8, "bf16-mixed": [bf16] * 8}
+        return lambda: calls.append(1) or {"32-true": {"8": [fp32] * 8}, "bf16-mixed": {"8": [bf16] * 8}}
 
     key = cpu_speed.lenet_probe_key(Config())
     first = cpu_speed.choose_precision(key, cache, timings(100.0, 130.0))
@@ -244,6 +244,20 @@ def test_auto_precision_takes_bf16_only_when_it_is_clearly_the_faster():
     assert cpu_speed.faster_precision({"32-true": fp32, "bf16-mixed": [f * 0.8 for f in fp32]}) == "32-true"
 
 
+def test_auto_padding_is_the_faster_for_each_precision_and_left_alone_where_nothing_is_timed():
+    """--pad-channels auto: conv1 padded to 8 or not, whichever runs the precision's step faster (the padding changes
+    no result, so it takes no margin); on a GPU 8 (tensor cores take whole multiples of 8), in NCHW nothing is padded,
+    and a precision the probe does not time keeps 8."""
+    cases = {"32-true": {"8": [100.0] * 8, "0": [150.0] * 8}, "bf16-mixed": {"8": [200.0] * 8, "0": [120.0] * 8}}
+    chosen = cpu_speed.fastest(cases)
+    assert (chosen["choice"], chosen["pad_channels"], chosen["windows"]["32-true"]) == ("bf16-mixed", 8, [150.0] * 8)
+    assert cpu_speed.fastest({"32-true": cases["32-true"]})["pad_channels"] == 0
+    never = lambda pad: pytest.fail("measured")  # noqa: E731
+    assert cpu_speed.lenet_cpu_choice(Config(accelerator="gpu", precision="32-true"), never) == ("32-true", 8, None)
+    assert cpu_speed.lenet_cpu_choice(Config(channels_last=False, precision="32-true"), never) == ("32-true", 0, None)
+    assert cpu_speed.lenet_cpu_choice(Config(precision="64-true"), never) == ("64-true", 8, None)
+
+
 def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatch):
     for cap in hardware.isa_caps():  # a suite run under caps (docs/tests.md)
         monkeypatch.delenv(cap)
@@ -265,7 +279,9 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
     assert set(probe["samples_per_s"]) == {"32-true", "bf16-mixed"} and not probe["cached"]
     assert probe["choice"] == cpu_speed.faster_precision(probe["windows"]) and len(probe["windows"]["32-true"]) == 8
     assert read_summary(tmp_path / "auto")["config"]["precision"] == probe["choice"]
-    assert f"precision auto: {probe['choice']}" in proc.stdout and "measured now" in proc.stdout
+    assert f"auto: --precision {probe['choice']} --pad-channels {probe['pad_channels']} (" in proc.stdout
+    assert "measured now" in proc.stdout and set(probe["cases"]["32-true"]) == {"8", "0"}
+    assert read_summary(tmp_path / "auto")["config"]["pad_channels"] == probe["pad_channels"]
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "again")
     assert read_summary(tmp_path / "again")["precision_probe"]["cached"] and "cached" in proc.stdout
     cache = tmp_path / "cache" / "precision-probe.json"  # now saying the other: a resume keeps the run's own
@@ -274,9 +290,13 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "again", "--resume", "auto", "--max-steps", "3")
     assert read_summary(tmp_path / "again")["config"]["precision"] == probe["choice"]
     assert f"precision auto: {probe['choice']} (the precision the resumed run trained in" in proc.stdout
-    run_in_process("fabric_lenet.py", *common, "--run-name", "forced", "--precision", "32-true")
+    run_in_process("fabric_lenet.py", *common, "--run-name", "forced", "--precision", "32-true", "--pad-channels", "8")
     forced = read_summary(tmp_path / "forced")
     assert forced["config"]["precision"] == "32-true" and forced["precision_probe"] is None
+    run_in_process("fabric_lenet.py", *common, "--run-name", "padded", "--precision", "32-true")  # the padding alone
+    padded = read_summary(tmp_path / "padded")
+    assert list(padded["precision_probe"]["cases"]) == ["32-true"] and padded["config"]["precision"] == "32-true"
+    assert padded["config"]["pad_channels"] == padded["precision_probe"]["pad_channels"] in (8, 0)
 
 
 def test_a_run_name_that_exists_is_refused_before_any_work(mnist_dir, tmp_path):
@@ -302,7 +322,7 @@ def test_more_training_samples_than_mnist_has_are_refused(mnist_dir, tmp_path, c
 @pytest.mark.parametrize("args,words", [
     (["--activation", "swish"], "--activation must be one of relu, gelu_torch, gelu_py, gelu_cpp, got swish"),
     (["--epochs", "0"], "--epochs must be an integer >= 1"),
-    (["--pad-channels", "4"], "--pad-channels must be an integer >= 6 and <= 64, or 0, got 4"),
+    (["--pad-channels", "4"], "--pad-channels must be an integer >= 6 and <= 64, or 0, or auto, got 4"),
     (["--label-smoothing", "1"], "--label-smoothing must be a finite number >= 0 and < 1, got 1"),
     (["--run-name", "/tmp/elsewhere"], "--run-name must be a plain folder name"),
     (["--run-name", ".."], "--run-name must be a plain folder name"),

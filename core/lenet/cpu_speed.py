@@ -2,6 +2,7 @@
 choice between float32 and bf16 autocast, made by timing LeNet-5's own step on this CPU once per machine and settings.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from core.run.hardware import cpu_name, cpu_units, isa_caps, uses_gpu
+from core.run.hardware import cpu_name, cpu_units, isa_caps, keep_freed_memory_in_heap, uses_gpu
 from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
 from core.run import ranks
 
@@ -35,55 +36,72 @@ class ZeroPaddedConv2d(torch.nn.Conv2d):
 
 # --precision auto: on a GPU bf16 autocast (fp16 without bf16) is the fast choice. On a CPU no rule holds: bf16
 # autocast was 1.4x faster than float32 on a Xeon with AMX, 1.3x on an EPYC with AVX-512 BF16 and far slower without
-# either (docs/lenet.md). So the CPU times LeNet-5's own step in both, once per machine and settings.
-PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, inherited by the ranks it starts
+# either (docs/lenet.md). So the CPU times LeNet-5's own step in both, once per machine and settings. --pad-channels
+# auto likewise: conv1's channels padded to 8 ran float32 1.5x slower than unpadded on that EPYC and 5% faster on a
+# Xeon with AVX-512 BF16 (docs/lenet.md), so the same probe times the step both ways.
+PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, "<precision>:<pad>", inherited by its ranks
 
 
-PROBE_VERSION = 2  # 2: 8 paired windows and a margin (1 measured 4 windows and took any lead: a moment's load decided)
+PROBE_VERSION = 3  # 3: the padding too; 2: 8 paired windows and a margin; 1: 4 windows, any lead (a moment's load decided)
 BF16_MARGIN = MARGIN  # bf16 autocast is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
+MEASURED = ("32-true", "bf16-mixed")  # the precisions the probe's step computes in
+PADS = (8, 0)  # conv1's channels as a whole vector of 8, or as they are
+
+
+def conv1_channels(cfg) -> int:
+    """The channel count conv1 computes in: --pad-channels, 8 while auto is not yet resolved, nothing padded in NCHW."""
+    pad = 8 if cfg.pad_channels == "auto" else cfg.pad_channels
+    return max(pad, 6) if cfg.channels_last else 6
 
 
 def lenet_probe_key(cfg) -> dict:
     """What LeNet-5's step speed depends on: the CPU, the libraries, the threads a rank gets, the local batch
-    and the memory layout. A change of any of them measures again, as does a new version of the probe."""
+    and the memory layout, and what is timed: the precisions and paddings left open. A change of any of them measures
+    again, as does a new version of the probe."""
+    precisions = MEASURED if cfg.precision == "auto" else (cfg.precision,)
+    pads = PADS if cfg.pad_channels == "auto" else (cfg.pad_channels,)
     return {"probe": PROBE_VERSION, "cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
             "threads": rank_threads(cfg.devices), "local_batch": cfg.batch_size // cfg.layout.world,
-            "channels_last": cfg.channels_last, "pad_channels": cfg.pad_channels, "activation": cfg.activation}
+            "channels_last": cfg.channels_last, "precisions": list(precisions), "pads": list(pads),
+            "activation": cfg.activation}
 
 
 def lenet_step_speeds(make_model, key: dict, windows: int = 8, steps: int = 3) -> dict:
-    """Samples/s of LeNet-5's training step (forward, loss, backward, fused AdamW) in float32 and under bf16
-    autocast, on random images of the run's shape, in 8 alternating windows of 3 steps each (paired: a window of one
-    beside a window of the other), after 2 warm-up steps that include oneDNN's kernel set-up. About 1.5 s on 2
-    cores, once per machine and settings."""
+    """{precision: {pad: samples/s of each window}} of LeNet-5's training step (forward, loss, backward, fused AdamW)
+    in each precision (float32, bf16 autocast) and padding of the key, on random images of the run's shape, in 8
+    alternating windows of 3 steps each (paired: a window of each case beside the others), after 2 warm-up steps that
+    include oneDNN's kernel set-up. make_model(pad) -> LeNet-5. About 1.5 s a pair of cases on 2 cores, once per
+    machine and settings."""
     F = torch.nn.functional
-    threads = torch.get_num_threads()
+    keep_freed_memory_in_heap()  # as training runs: without it each step page-faults its activations in again, more so
+    threads = torch.get_num_threads()  # the padded ones (it made the unpadded float32 step look 1.1-1.2x the faster)
     torch.set_num_threads(key["threads"])
     try:
         torch.manual_seed(0)
         n, layout_ = key["local_batch"], torch.channels_last if key["channels_last"] else torch.contiguous_format
         x, y = torch.randn(n, 1, 28, 28).contiguous(memory_format=layout_), torch.randint(0, 10, (n,))
-        models = {p: make_model().to(memory_format=layout_) for p in ("32-true", "bf16-mixed")}
-        optimizers = {p: torch.optim.AdamW(m.parameters(), fused=True) for p, m in models.items()}
+        cases = [(p, pad) for p in key["precisions"] for pad in key["pads"]]
+        models = {c: make_model(c[1]).to(memory_format=layout_) for c in cases}
+        optimizers = {c: torch.optim.AdamW(m.parameters(), fused=True) for c, m in models.items()}
 
-        def step(precision: str) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                loss = F.cross_entropy(models[precision](x), y)
+        def step(case) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case[0] == "bf16-mixed"):
+                loss = F.cross_entropy(models[case](x), y)
             loss.backward()
-            optimizers[precision].step()
-            optimizers[precision].zero_grad(set_to_none=True)
+            optimizers[case].step()
+            optimizers[case].zero_grad(set_to_none=True)
 
-        times = {p: [] for p in models}
-        for p in models:
+        times = {c: [] for c in cases}
+        for c in cases:
             for _ in range(2):
-                step(p)
+                step(c)
         for _ in range(windows):
-            for p in models:
+            for c in cases:
                 t0 = time.perf_counter()
                 for _ in range(steps):
-                    step(p)
-                times[p].append((time.perf_counter() - t0) / steps)
-        return {p: [n / t for t in ts] for p, ts in times.items()}
+                    step(c)
+                times[c].append((time.perf_counter() - t0) / steps)
+        return {p: {str(pad): [n / t for t in times[(p, pad)]] for pad in key["pads"]} for p in key["precisions"]}
     finally:
         torch.set_num_threads(threads)
 
@@ -94,42 +112,66 @@ def faster_precision(windows: dict) -> str:
     return "bf16-mixed" if clearly_faster(windows["bf16-mixed"], windows["32-true"], BF16_MARGIN) else "32-true"
 
 
+def fastest(cases: dict) -> dict:
+    """From {precision: {pad: windows}}: each precision's faster padding by its median (the padding changes no result,
+    so no margin), then the precision (faster_precision, where both were timed)."""
+    pads = {p: max(by_pad, key=lambda pad: statistics.median(by_pad[pad])) for p, by_pad in cases.items()}
+    windows = {p: cases[p][pads[p]] for p in cases}
+    choice = faster_precision(windows) if len(windows) > 1 else next(iter(windows))
+    return {"choice": choice, "pad_channels": int(pads[choice]), "windows": windows, "cases": cases}
+
+
 def choose_precision(key: dict, cache: Path, measure) -> dict:
-    """float32 or bf16 autocast for `key` (faster_precision): from the cache when it holds this key, else measured
-    (measure() -> {precision: [samples/s of each window]}) and added to it. A file lock makes ranks started together
-    (torchrun) measure once and read the same answer."""
+    """The precision and padding for `key` (fastest): from the cache when it holds this key, else measured
+    (measure() -> {precision: {pad: [samples/s of each window]}}) and added to it. A file lock makes ranks started
+    together (torchrun) measure once and read the same answer."""
     def measure_entry() -> dict:
         started = time.perf_counter()
-        windows = measure()
-        return {"choice": faster_precision(windows), "key": key, "windows": windows,
-                "samples_per_s": {p: statistics.median(w) for p, w in windows.items()},
+        chosen = fastest(measure())
+        return {**chosen, "key": key, "samples_per_s": {p: statistics.median(w) for p, w in chosen["windows"].items()},
                 "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
 
     entry, was_cached = stored_or_measured(cache, json.dumps(key, sort_keys=True), measure_entry)
     return {**entry, "cached": was_cached}
 
 
-def lenet_precision(cfg, make_model) -> tuple[str, dict | None]:
-    """(the precision --precision auto stands for here, the probe's entry on a CPU that decided by measuring)."""
-    if uses_gpu(cfg.accelerator):
-        return ("bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"), None
+def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
+    """(the precision and conv1 padding --precision auto and --pad-channels auto stand for here, the probe's entry
+    where it measured); make_model(pad) -> LeNet-5 with that padding."""
+    precision, pad = cfg.precision, cfg.pad_channels
+    if uses_gpu(cfg.accelerator):  # tensor cores take whole multiples of 8 channels
+        gpu = "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"
+        return (gpu if precision == "auto" else precision), (8 if pad == "auto" else pad), None
+    if pad == "auto" and (not cfg.channels_last or precision not in ("auto", *MEASURED)):
+        pad = 8 if cfg.channels_last else 0  # nothing padded in NCHW; the probe times float32 and bf16 steps only
+    if "auto" not in (precision, pad):
+        return precision, pad, None
     if os.environ.get("LOCAL_RANK", "0") != "0" and os.environ.get(PROBE_ENV):
-        return os.environ[PROBE_ENV], None  # a rank started by Fabric's launcher, which decided before starting it
-    key = lenet_probe_key(cfg)
+        inherited, inherited_pad = os.environ[PROBE_ENV].split(":")  # a rank started by Fabric's launcher, which
+        return inherited, int(inherited_pad), None                      # decided before starting it
+    key = lenet_probe_key(dataclasses.replace(cfg, precision=precision, pad_channels=pad))
     probe = choose_precision(key, Path(cfg.cache_dir).expanduser() / "precision-probe.json",
                              lambda: lenet_step_speeds(make_model, key))
-    os.environ[PROBE_ENV] = probe["choice"]
-    return probe["choice"], probe
+    os.environ[PROBE_ENV] = f"{probe['choice']}:{probe['pad_channels']}"
+    return probe["choice"], probe["pad_channels"], probe
 
 
 def probe_line(probe: dict) -> str:
-    if probe.get("resumed"):
-        return f"precision auto: {probe['choice']} (the precision the resumed run trained in; --precision forces one)"
-    s = probe["samples_per_s"]
+    """What auto chose and why: the resumed run's precision, and the probe's figures where it measured."""
+    lines = [f"precision auto: {probe['resumed']} (the precision the resumed run trained in; --precision forces one)"
+             ] if probe.get("resumed") else []
+    return "\n".join(lines + ([measured_line(probe)] if "cases" in probe else []))
+
+
+def measured_line(probe: dict) -> str:
+    key, names = probe["key"], {"32-true": "float32", "bf16-mixed": "bf16 autocast"}
+    shown = lambda pad, w: f"{statistics.median(w):,.0f} ({f'padded to {pad}' if int(pad) else 'unpadded'})"  # noqa: E731
+    speeds = ", ".join(f"{names[p]} " + " / ".join(shown(pad, w) for pad, w in by_pad.items())
+                       for p, by_pad in probe["cases"].items())
     when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
-    return (f"precision auto: {probe['choice']} (LeNet-5 step at batch {probe['key']['local_batch']}, "
-            f"{probe['key']['threads']} thread(s): bf16 autocast {s['bf16-mixed']:,.0f} samples/s, float32 "
-            f"{s['32-true']:,.0f}, bf16 taken only {BF16_MARGIN:.2f}x faster; {when}; --precision forces one)")
+    return (f"auto: --precision {probe['choice']} --pad-channels {probe['pad_channels']} (LeNet-5's step at batch "
+            f"{key['local_batch']}, {key['threads']} thread(s), samples/s: {speeds}; bf16 taken only "
+            f"{BF16_MARGIN:.2f}x faster; {when}; --precision and --pad-channels force them)")
 
 
 def agree_on_precision(fabric, precision: str, probe: dict | None) -> None:

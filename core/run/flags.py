@@ -43,10 +43,12 @@ INT_MAX = 2**31 - 1
 
 
 class Number(Check):
-    """An int or a finite float within bounds; `zero` also allows 0 (a flag's "0: off / the default")."""
+    """An int or a finite float within bounds; `zero` also allows 0 (a flag's "0: off / the default"), `auto` the word
+    auto (the script measures the value on the machine)."""
 
-    def __init__(self, kind=float, min=None, max=None, above=None, below=None, zero=False):
+    def __init__(self, kind=float, min=None, max=None, above=None, below=None, zero=False, auto=False):
         self.kind, self.min, self.max, self.above, self.below, self.zero = kind, min, max, above, below, zero
+        self.auto = auto
         if kind is int and max is None:
             self.max = INT_MAX  # C's int: a count beyond it is a typo, and would overflow far from the flag
         self.metavar = "N" if kind is int else "X"
@@ -54,9 +56,12 @@ class Number(Check):
         bounds = [f">= {shown_(min)}" if min is not None else "", f"> {shown_(above)}" if above is not None else "",
                   f"<= {shown_(max)}" if max is not None else "", f"< {shown_(below)}" if below is not None else ""]
         self.allows = (("an integer" if kind is int else "a finite number") + " " + " and ".join(b for b in bounds if b)
-                       + (", or 0" if zero else "")).strip() + (f" (at most {INT_MAX})" if kind is int and max is None else "")
+                       + (", or 0" if zero else "") + (", or auto" if auto else "")).strip()
+        self.allows += f" (at most {INT_MAX})" if kind is int and max is None else ""
 
     def __call__(self, text: str):
+        if self.auto and text == "auto":
+            return text
         try:
             value = int(text, 10) if self.kind is int else float(text)
         except (TypeError, ValueError):
