@@ -18,11 +18,9 @@ this script (core/): the model (gpt/gpt_model.py), the parallel layout (run/layo
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric

@@ -58,9 +58,9 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                            "(core/lenet/whole_step.py; one device, in-memory data, AdamW)", runtime=True)
     sync_check: bool = opt(False, "CUDA: fail at a host synchronisation in a step (from a shape's 4th)", runtime=True)
     channels_last: bool = opt(True, "NHWC layout: oneDNN's fast convolutions on CPU, tensor cores on GPU", runtime=True)
-    pad_channels: int | str = opt("auto", "with --channels-last, compute conv1's 6 channels as this many; 0: off; auto: 8 "
-                                  "or 0, timed here (docs/lenet.md)", check=flags.number(int, min=6, max=64, zero=True,
-                                                                                     auto=True), runtime=True)
+    pad_channels: int | str = opt("auto", "with --channels-last, compute conv1's 6 channels as this many; 0: off; "
+                                  "auto: 8 or 0, timed here (docs/lenet.md)", runtime=True,
+                                  check=flags.number(int, min=6, max=64, zero=True, auto=True))
     # Batch 512 (lr 8e-3): as accurate as 128 or 256, 1.2-1.5x the samples/s on 2 CPU cores. 16 epochs with label
     # smoothing: 99.42% mean over 5 seeds, against 99.35% for 12 or 16 without (make bench-lenet, docs/lenet.md)
     epochs: int = opt(16, "passes over the training set", min=1, group="optimisation")
