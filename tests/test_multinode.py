@@ -5,6 +5,7 @@ and the SLURM batch script, are in test_gpt.py, beside the one-node runs they ar
 import json
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -289,13 +290,13 @@ from core.run import stops
 os.environ.pop("SLURM_JOB_ID", None)
 stop = stops.StopRequest().listen("USR1")  # outside SLURM each SIGUSR1 is a warning line from the handler
 print("listening", flush=True)
-end = time.time() + 3
-while time.time() < end:
+end = time.time() + 60
+while time.time() < end and not os.path.exists(sys.argv[1]):  # until the test has sent all its signals
     print("step | loss 5.5608 | grad norm 1.484")
 """
 
 
-def test_a_handlers_line_never_lands_inside_a_printed_line_under_pythonunbuffered():
+def test_a_handlers_line_never_lands_inside_a_printed_line_under_pythonunbuffered(tmp_path):
     """SLURM job scripts and launchers set PYTHONUNBUFFERED, where print writes a line's text and its newline
     separately: 100 signals during a stream of prints must each be one whole line, and so must every print."""
     import signal
@@ -303,13 +304,27 @@ def test_a_handlers_line_never_lands_inside_a_printed_line_under_pythonunbuffere
 
     from conftest import REPO
 
-    proc = subprocess.Popen([warm_python.executable(), "-u", "-c", PRINTS_WHILE_SIGNALLED], cwd=REPO, text=True,
+    done = tmp_path / "done"
+    proc = subprocess.Popen([warm_python.executable(), "-u", "-c", PRINTS_WHILE_SIGNALLED, str(done)], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout.readline() == "listening\n"
-    for _ in range(100):
+    lines, handled = [], [0]
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            handled[0] += line.startswith("warning: SIGUSR1 ignored")
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    for sent in range(1, 101):  # each after the last one's line: two pending SIGUSR1 would be delivered as one
         proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.01)
-    lines = proc.communicate(timeout=60)[0].splitlines()
+        deadline = time.time() + 10
+        while handled[0] < sent and time.time() < deadline:
+            time.sleep(0.002)
+    done.touch()
+    proc.wait(timeout=60)
+    reader.join(timeout=60)
+    lines = [line.rstrip("\n") for line in lines]
     warnings = [line for line in lines if line.startswith("warning: SIGUSR1 ignored")]
     mixed = [line for line in lines if line != "step | loss 5.5608 | grad norm 1.484" and line not in warnings]
     assert proc.returncode == 0 and len(warnings) == 100 and not mixed, (len(warnings), mixed[:3])
