@@ -13,13 +13,14 @@ spends its step in matmuls, and the CPU's matmul rates in both types decide it w
 import statistics
 import time
 
+from core.gpt.gpt_model import positions
 from core.run.hardware import native_bf16
 from core.run.measurements import MARGIN, cached, clearly_faster, threads
 
 CANDIDATES = ("32-true", "bf16-mixed")
 PROBE_LAYERS = 2  # the step of a model cut to 2 blocks: the embedding, blocks and head in their shares, in seconds
 STEP_BUDGET = 20e9  # FLOPs of a probe step timed whole (nanoGPT's recipe: 2.4e9); above, the matmul rates decide
-VERSION = 1
+VERSION = 2  # 2: the step runs a window's first seq_len - 1 positions (gpt_model.window_loss), counted so
 
 
 def probe_settings(cfg, n_threads: int) -> dict:
@@ -52,7 +53,7 @@ def choose(cfg, n_threads: int, makers, matmul_peaks) -> dict:
 def probe_flops(cfg) -> float:
     """Forward and backward FLOPs of the probe's step: 6 x its parameters x a micro-batch's tokens."""
     blocks = 12 * cfg.n_embd ** 2 * min(cfg.n_layer, PROBE_LAYERS)
-    return 6 * (blocks + cfg.vocab_size * cfg.n_embd) * cfg.micro_batch_size * cfg.seq_len
+    return 6 * (blocks + cfg.vocab_size * cfg.n_embd) * cfg.micro_batch_size * positions(cfg)
 
 
 def by_matmul_rates(float32: tuple, best_bf16: tuple) -> dict:
@@ -67,7 +68,7 @@ def measure(settings: dict, n_threads: int, makers: dict) -> dict:
     started = time.perf_counter()
     with threads(n_threads):
         windows = step_speeds({p: make() for p, make in makers.items()})
-    tokens = settings["micro_batch"] * settings["seq_len"]
+    tokens = settings["micro_batch"] * (settings["seq_len"] - 1)  # the positions a step computes (positions())
     speeds = {p: [tokens * s for s in w] for p, w in windows.items()}
     bf16 = clearly_faster(speeds["bf16-mixed"], speeds["32-true"])
     return {"choice": "bf16-mixed" if bf16 else "32-true", "windows": speeds,
