@@ -34,7 +34,7 @@ from core.plan import accounting, disk, gpt_figures, gpu_efficiency, perf_model,
 from core.run import flags
 from core.run.checkpoints import ResumeError
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
-from core.run.hardware import check_hardware, compile_cache_per_caps, return_freed_host_memory, uses_gpu
+from core.run.hardware import check_hardware, compile_cache_per_caps, gpu_precision, return_freed_host_memory, uses_gpu
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
 from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resumed_precision
 from core.run.measurements import rank_threads
@@ -175,11 +175,6 @@ def resolve(cfg: Config) -> Config:
                               chunked_loss=levers if cfg.chunked_loss is None else cfg.chunked_loss,
                               pad_vocab_to=cfg.pad_vocab_to or (64 if levers else 1))
     return cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
-
-
-def gpu_precision() -> str:
-    """--precision auto on GPUs (or a plan for them): bf16 autocast, fp16 with loss scaling where a GPU has no bf16."""
-    return "16-mixed" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bf16-mixed"
 
 
 def resolve_precision(cfg: Config) -> None:

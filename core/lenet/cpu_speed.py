@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from core.run.hardware import cpu_name, cpu_units, isa_caps, keep_freed_memory_in_heap, uses_gpu
+from core.run.hardware import cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap, uses_gpu
 from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
 from core.run import ranks
 
@@ -140,8 +140,7 @@ def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
     where it measured); make_model(pad) -> LeNet-5 with that padding."""
     precision, pad = cfg.precision, cfg.pad_channels
     if uses_gpu(cfg.accelerator):  # tensor cores take whole multiples of 8 channels
-        gpu = "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "16-mixed"
-        return (gpu if precision == "auto" else precision), (8 if pad == "auto" else pad), None
+        return (gpu_precision() if precision == "auto" else precision), (8 if pad == "auto" else pad), None
     if pad == "auto" and (not cfg.channels_last or precision not in ("auto", *MEASURED)):
         pad = 8 if cfg.channels_last else 0  # nothing padded in NCHW; the probe times float32 and bf16 steps only
     if "auto" not in (precision, pad):

@@ -212,6 +212,11 @@ def return_freed_host_memory() -> None:
 
 
 
+def gpu_precision() -> str:
+    """--precision auto on GPUs (or a plan for them): bf16 autocast, fp16 with loss scaling where a GPU has no bf16."""
+    return "16-mixed" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bf16-mixed"
+
+
 def native_bf16() -> bool:
     """This CPU computes bf16 matmuls in hardware (AVX-512 BF16 or AMX) and no instruction-set cap hides them. Without
     them torch emulates bf16: on an AVX2 EPYC with torch 2.14, 0.7 GFLOP/s against 61 in float32."""
