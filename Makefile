@@ -8,6 +8,9 @@ PY      := $(VENV)/bin/python
 TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
 RUNS    ?= runs
+# one test worker more than cores: a worker waiting on a process start, a signal or a disk leaves its core to the
+# next (warm suite on 2 cores: 5 min 26 s with 2 workers, 4 min 32 s with 3, 4 min 28 s with 4; docs/tests.md)
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 
 # RUNS: the folder every run, benchmark and gpu-check writes into, and report, tb, sample and export read.
 # flag <NAME> <--flag>: "--flag value" when the variable NAME is set
@@ -38,7 +41,7 @@ help: ## list the targets
 	@echo "             CLUSTER TOKENS SEARCH=1 PLAN_JSON FRAMEWORK COUNT_COMMS=1 (plan, gpt) |"
 	@echo "             DATASET=text TEXT TOKENIZER VOCAB DATA_DIR EVAL_EVERY EVAL_BATCHES (text, gpt) | PROMPT NEW_TOKENS TEMPERATURE TOP_K (sample) |"
 	@echo "             DEVICES NODES NODE_TIMEOUT STRATEGY PRECISION ACCELERATOR SEED RUN RESUME=auto REQUEUE_SIGNAL COMPILE=1|0 ARGS='--more flags' |"
-	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b|all (gpu-check) | RUNS (the runs folder, default runs)"
+	@echo "             FORCE=1 STAGES=a,b (lab) | CHECKS=a,b|all (gpu-check) | RUNS (the runs folder, default runs) | TEST_WORKERS (test)"
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
@@ -95,7 +98,7 @@ tb: $(SETUP) ## start TensorBoard on runs/ (TB_HOST, TB_PORT)
 	$(VENV)/bin/tensorboard --logdir $(RUNS) --host $(TB_HOST) --port $(TB_PORT)
 
 test: $(SETUP) ## run the test suite on CPU (real MNIST via MNIST_MIRROR, real DDP, DeepSpeed and C++ build)
-	$(PY) -m pytest tests -n auto --dist worksteal $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 test-fast: $(SETUP) ## the tests not marked slow (no run in a process of its own, no DeepSpeed), for development
 	$(PY) -m pytest tests -m "not slow" $(ARGS)
