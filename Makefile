@@ -9,7 +9,7 @@ TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
 RUNS    ?= runs
 # one test worker more than cores: a worker waiting on a process start, a signal or a disk leaves its core to the
-# next (warm suite on 2 cores: 5 min 26 s with 2 workers, 4 min 32 s with 3, 4 min 28 s with 4; docs/tests.md)
+# next (the warm suite on 2 cores: 9-17% less time with 3 workers than with 2, in two sittings; docs/tests.md)
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 
 # RUNS: the folder every run, benchmark and gpu-check writes into, and report, tb, sample and export read.
