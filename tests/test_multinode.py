@@ -245,7 +245,8 @@ print("ready", flush=True)
 while len(seen) < 5:  # the flood has begun
     signal.pause()
 failed = [line for ok, line in (stops.requeue_slurm_job("--resume auto") for _ in range(100)) if not ok]
-print(len(failed), failed[:1], flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the flood lasts until this line is read, and an
+print(len(failed), failed[:1], flush=True)                  # interpreter's end restores the default action
 """
 
 

@@ -130,6 +130,23 @@ def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):
     assert proc.returncode == 0
 
 
+def test_signals_that_outlast_the_command_leave_its_exit_code():
+    """A launcher may still be signalling a job's group as its command ends: a command that holds SIGTERM ends by
+    its code under a real interpreter, and so does the client, whose own end would otherwise restore the default
+    action in the flood's path (the client ended by SIGTERM 10 times in 10, 2026-11-29)."""
+    code = ("import signal\nseen = []\nsignal.signal(signal.SIGTERM, lambda *_: seen.append(1))\nprint('up', flush=True)\n"
+            "while len(seen) < 5: signal.pause()\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n")
+    for python in (warm_python.REAL, warm_python.executable()) * 3:
+        proc = subprocess.Popen([python, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert proc.stdout.readline() == "up\n"
+        while proc.poll() is None:  # until the client is gone
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:  # ended and reaped between the two calls
+                break
+        assert proc.wait(timeout=30) == 0, python
+
+
 def test_descriptors_passed_on_reach_the_command(tmp_path):
     """As torch.compile's worker pool starts its workers: a pipe handed over with pass_fds is there, by number."""
     read, write = os.pipe()

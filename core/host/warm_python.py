@@ -125,7 +125,9 @@ status = number()
 if os.WIFSIGNALED(status):
     signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
     os.kill(os.getpid(), os.WTERMSIG(status))
-sys.exit(os.waitstatus_to_exitcode(status))
+# ended here, with nothing to flush: an interpreter's own end resets its handlers, and a signal sent in that instant
+# (a launcher still stopping the group) would end the client by it, though the command exited by its code
+os._exit(os.waitstatus_to_exitcode(status))
 """
 
 
