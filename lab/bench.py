@@ -26,7 +26,7 @@ from core.run.checkpoints import read_record
 from core.run.files import write_json_atomic
 from core.run.hardware import compile_cache_per_caps, cpu_name, cpu_units, isa_caps
 from core.run.layout import layout
-from core.run.ranks import cores_per_rank
+from core.run.ranks import cores_per_rank, usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -219,7 +219,7 @@ def over_seeds(runs: list) -> dict:
 def cpu_label() -> str:
     """The CPU a figure comes from, with the units that decide LeNet-5's speed."""
     caps = [f"{v}={value}" for v, value in isa_caps().items()]
-    return (f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
+    return (f"{cpu_name()}, {usable_cores()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
             + (f" under {' '.join(caps)} (an instruction set imitated, not that CPU)" if caps else ""))
 
 

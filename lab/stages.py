@@ -22,6 +22,7 @@ from pathlib import Path
 from core.run.checkpoints import RECORD, Checkpoints
 from core.run.files import write_json_atomic
 from core.run.hardware import cuda_mismatch
+from core.run.ranks import usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = Path("lab/logs")  # under --runs
@@ -51,7 +52,7 @@ def lab_stages(runs: Path, data_dir: str, report_dir: str, text_dir: str = "data
     if unusable:
         print(f"warning: {unusable}; until then the lab is sized for the CPU", file=sys.stderr)
     accelerator = "cuda" if gpus else "cpu"
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     from core.gpt.text_corpus import CORPUS
 
     # both data sets first: offline without a mirror, the lab stops in its first seconds, not after the LeNet-5 runs

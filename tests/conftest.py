@@ -33,7 +33,7 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 # torch's default (every core, in each worker) has their OpenMP threads spin against each other
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
 
 
 @pytest.fixture(scope="session", autouse=True)

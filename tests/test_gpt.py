@@ -570,7 +570,7 @@ def test_a_pipeline_takes_a_micro_batch_per_stage_unless_told():
 @pytest.mark.parametrize("args,words", [
     (["--strategy", "ddp", "--nvme-path", "/tmp/nvme"], "--nvme-path offloads through DeepSpeed ZeRO-3"),
     (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme", "--resume", "auto"], "moments and step count"),
-    (["--devices", "512", "--accelerator", "cpu"], "CPU cores"),
+    (["--devices", "512", "--accelerator", "cpu"], "CPU core(s)"),
     (["--num-samples", "10", "--micro-batch-size", "4"], "not a multiple of the 4 samples per optimizer step"),
     (["--num-samples", "2000000000", "--accelerator", "cpu"], "GiB of token ids, more than a quarter"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),

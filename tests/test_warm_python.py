@@ -110,6 +110,9 @@ def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_i
     assert settings.stdout.split()[:3] == ["True", "True", str(tmp_path)]  # read at import by the server's torch
     cache_only = run("-c", "import sys; print(sys.executable)", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert cache_only.stdout.strip() == warm_python.executable()  # looked up at each compile: the child's own
+    one_core = {min(os.sched_getaffinity(0))}  # taskset's: torch counts its threads from it at load
+    held = run("-c", "import os; print(sorted(os.sched_getaffinity(0)))", preexec_fn=lambda: os.sched_setaffinity(0, one_core))
+    assert held.stdout == f"{sorted(one_core)}\n", held.stderr
 
 
 def test_a_job_signalled_as_a_group_reaches_every_process_it_started(tmp_path):

@@ -18,7 +18,8 @@ the client, so the ranks a run launches itself and torchrun's workers start warm
 
 What the child cannot take over from the server falls back to a real interpreter (the client execs it): interpreter
 options other than -u, -m and -c, and environment variables that libraries read once at import or load (instruction-
-set caps, thread and allocator settings, PYTHONPATH, Hugging Face's settings), when they differ from the server's.
+set caps, thread and allocator settings, PYTHONPATH, Hugging Face's settings), when they differ from the server's,
+and a CPU affinity other than the server's (`taskset`, a SLURM step's cores: torch counts its threads from it at load).
 OMP_NUM_THREADS, which OpenMP reads at load, is applied with torch.set_num_threads, as it would have taken effect.
 Tests that look at the process tree itself (psutil's children of a launcher) start real interpreters. FABRIC_LAB_WARM=0
 turns all of it off.
@@ -94,7 +95,8 @@ try:
     fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) != conn.fileno() and os.path.exists(
         f"/proc/self/fd/{{fd}}"))
     body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader,
-                       "fds": fds, "mask": sorted(int(s) for s in started_with)}}).encode()
+                       "fds": fds, "mask": sorted(int(s) for s in started_with),
+                       "cpus": sorted(os.sched_getaffinity(0))}}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
     conn.sendall(body)
     pid = number()
@@ -376,7 +378,7 @@ def accept(listener: socket.socket, children: dict) -> None:
     except (OSError, ValueError, struct.error):
         conn.close()
         return
-    if declines(request["argv"], request["env"]):
+    if declines(request["argv"], request["env"]) or request["cpus"] != sorted(os.sched_getaffinity(0)):
         conn.sendall(b"0\n")
         conn.close()
     else:

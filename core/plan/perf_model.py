@@ -9,7 +9,6 @@ bandwidth times the ring algorithm's factor (all-reduce 2(n-1)/n, all-gather and
 """
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,6 +21,7 @@ from core.run.files import write_atomic
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name
 from core.run.layout import search_layouts
+from core.run.ranks import usable_cores
 
 GB = 1e9
 
@@ -108,7 +108,7 @@ def measured_cpu_cluster(precision: str, step_script: str = "") -> Cluster:
     # threads. Measured on one thread, which another process's load slows by its share of a core; on every core
     # beside such a load OpenMP's threads wait on each other (42 GFLOP/s against 203 quiet: a plan's MFU of 144%)
     with measurements.threads(1):
-        peak = accounting.measured_cpu_matmul_flops(precision) * (os.cpu_count() or 1)
+        peak = accounting.measured_cpu_matmul_flops(precision) * usable_cores()
     return cpu_cluster(precision, peak, device_probe.gloo_link(), probe="measure", step_script=step_script)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from core.run.flags import ConfigError
+from core.run.ranks import usable_cores
 
 
 def hide_the_cuda_home_guess() -> None:
@@ -37,8 +38,9 @@ def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: 
         print(f"warning: {unusable}; running on the CPU", file=sys.stderr)
     if gpu and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices}: only {torch.cuda.device_count()} GPU(s) visible")
-    if not gpu and devices > (os.cpu_count() or 1):
-        raise ConfigError(f"--devices {devices}: this machine has {os.cpu_count()} CPU cores; use at most that many processes")
+    if not gpu and devices > usable_cores():
+        raise ConfigError(f"--devices {devices}: this process may use {usable_cores()} CPU core(s) (its affinity: "
+                          f"`nproc`); use at most that many processes")
     if precision == "16-mixed" and not gpu and not fp16_on_cpu:
         raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
     return gpu

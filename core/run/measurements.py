@@ -16,7 +16,7 @@ import torch
 
 from core.run.files import write_json_atomic
 from core.run.hardware import cpu_name, cpu_units, isa_caps
-from core.run.ranks import cores_per_rank
+from core.run.ranks import cores_per_rank, usable_cores
 
 
 def cache_file() -> Path:
@@ -26,7 +26,7 @@ def cache_file() -> Path:
 def machine_key() -> dict:
     """What every measurement depends on: the CPU, its instruction-set caps (ATEN_CPU_CAPABILITY,
     ONEDNN_MAX_CPU_ISA change the kernels as another CPU would) and torch."""
-    return {"cpu": cpu_name(), "units": cpu_units(), "cores": os.cpu_count(), "caps": isa_caps(), "torch": torch.__version__}
+    return {"cpu": cpu_name(), "units": cpu_units(), "cores": usable_cores(), "caps": isa_caps(), "torch": torch.__version__}
 
 
 def entry_name(kind: str, settings: dict) -> str:

@@ -108,9 +108,19 @@ def check_launcher(num_nodes: int, devices: int, script: str) -> None:
             f"MASTER_PORT=29500 NODE_RANK=<0..{num_nodes - 1}> on each node")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a SLURM allocation, a container's cpuset, `taskset`), as
+    Lightning's launcher counts them for its ranks' threads and `nproc` for the suite's workers. os.cpu_count() is
+    the whole machine's: on 8 cores allocated of a 128-core node, two ranks would start 64 threads each."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity call (macOS): the machine's count
+        return os.cpu_count() or 1
+
+
 def cores_per_rank(processes: int) -> int:
     """The intra-op threads each of `processes` ranks on this machine gets: an equal share of the cores."""
-    return max(1, (os.cpu_count() or 1) // processes)
+    return max(1, usable_cores() // processes)
 
 
 def share_the_cores(fabric) -> None:
