@@ -9,8 +9,13 @@ TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
 RUNS    ?= runs
 # one test worker more than cores: a worker waiting on a process start, a signal or a disk leaves its core to the
-# next (the warm suite on 2 cores: 9-17% less time with 3 workers than with 2, in two sittings; docs/tests.md)
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
+# next (the warm suite on 2 cores: 9-17% less time with 3 workers than with 2, in two sittings; docs/tests.md); and
+# at most one per 2.5 GiB of available memory (the warm suite's 3 workers peaked at 6.3 GB above the 1.0 GB used
+# before it), so that a laptop with 16 threads and 16 GB does not start 17
+MEMINFO ?= /proc/meminfo
+TEST_WORKERS ?= $(shell workers=$$(( $$(nproc 2>/dev/null || echo 1) + 1 )); \
+	memory=$$(awk '/^MemAvailable:/ {print int($$2 / 2621440)}' $(MEMINFO) 2>/dev/null); \
+	[ -n "$$memory" ] && [ "$$memory" -lt "$$workers" ] && workers=$$memory; echo $$(( workers > 1 ? workers : 1 )))
 
 # RUNS: the folder every run, benchmark and gpu-check writes into, and report, tb, sample and export read.
 # flag <NAME> <--flag>: "--flag value" when the variable NAME is set

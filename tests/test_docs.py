@@ -42,6 +42,21 @@ def test_readme_is_a_front_door():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
+def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_path):
+    """One pytest worker more than the cores this process may use (`nproc`), at most one per 2.5 GiB of available
+    memory, at least one: a machine of many cores and little memory would otherwise start more than it holds."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TEST_WORKERS")}
+    cores, meminfo = len(os.sched_getaffinity(0)), tmp_path / "meminfo"
+    for available_kib, workers in ((2**40, cores + 1), (5 * 2**20, min(cores + 1, 2)), (1000, 1)):
+        meminfo.write_text(f"MemTotal:       {2**41} kB\nMemAvailable:   {available_kib} kB\n")
+        out = subprocess.run(["make", "--no-print-directory", "-n", "test", f"MEMINFO={meminfo}"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert f" -n {workers} --dist worksteal" in out.stdout.strip().splitlines()[-1], (available_kib, out.stdout)
+
+
 def test_every_target_writes_and_reads_the_one_runs_folder():
     """`make lenet RUNS=x` then `make report RUNS=x` (or tb, sample, export): the targets that write runs and those
     that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said)."""
