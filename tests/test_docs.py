@@ -43,12 +43,14 @@ def test_readme_is_a_front_door():
 
 
 def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_path):
-    """One pytest worker more than the cores this process may use (`nproc`), at most one per 2.5 GiB of available
-    memory, at least one: a machine of many cores and little memory would otherwise start more than it holds."""
+    """One pytest worker more than the cores this process may use (`nproc`, whatever OMP_NUM_THREADS says, which
+    `nproc` obeys: the suite's workers set it), at most one per 2.5 GiB of available memory, at least one: a machine
+    of many cores and little memory would otherwise start more than it holds."""
     import os
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TEST_WORKERS")}
+    env["OMP_NUM_THREADS"] = "1"
     cores, meminfo = len(os.sched_getaffinity(0)), tmp_path / "meminfo"
     for available_kib, workers in ((2**40, cores + 1), (5 * 2**20, min(cores + 1, 2)), (1000, 1)):
         meminfo.write_text(f"MemTotal:       {2**41} kB\nMemAvailable:   {available_kib} kB\n")

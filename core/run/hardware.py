@@ -39,8 +39,8 @@ def check_hardware(accelerator: str, devices: int, precision: str, fp16_on_cpu: 
     if gpu and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices}: only {torch.cuda.device_count()} GPU(s) visible")
     if not gpu and devices > usable_cores():
-        raise ConfigError(f"--devices {devices}: this process may use {usable_cores()} CPU core(s) (its affinity: "
-                          f"`nproc`); use at most that many processes")
+        raise ConfigError(f"--devices {devices}: this process may use {usable_cores()} CPU core(s) (its CPU affinity); "
+                          f"use at most that many processes")
     if precision == "16-mixed" and not gpu and not fp16_on_cpu:
         raise ConfigError("--precision 16-mixed needs a GPU (float16 loss scaling); on CPU use bf16-mixed or 32-true")
     return gpu
