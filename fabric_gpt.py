@@ -617,10 +617,10 @@ def main(argv=None) -> dict:
         # pipeline stages are saved per rank: the stage itself, not Fabric's wrapper (whose state is the whole model)
         state = {"model": strategies.local_module(model, cfg) if cfg.layout.pipeline else model,
                  "optimizer": optimizer, "progress": progress}
-        on_disk = disk_plan(cfg)
         run = Run(fabric, cfg, "gpt", state, stop, check_config=lambda saved: check_resume(saved, cfg),
                   per_rank_checkpoints=cfg.layout.pipeline, identity=text_identity(cfg),
-                  checkpoint_bytes=on_disk["checkpoint"], not_resumable=NVME_RESUME if cfg.nvme_path else "")
+                  checkpoint_bytes=disk_plan(cfg)["checkpoint"], not_resumable=NVME_RESUME if cfg.nvme_path else "")
+        on_disk = disk_plan(cfg)  # again, in the folder Run has named
         run.start()  # resume from the newest good checkpoint, or start
         announce(run, n_params, peak, attn, on_disk)
         timing = train(run, model, optimizer, loader, take_step, accounting.flops_per_token(cfg, n_params),

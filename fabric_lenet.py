@@ -433,9 +433,9 @@ def main(argv=None) -> dict:
         model, optimizer = fabric.setup(model, optimizer)
         progress = Progress(epoch=0, step_in_epoch=0, global_step=0, loss_sum=0.0, loss_count=0,
                             train_time_s=0.0, history=[])
-        on_disk = disk_plan(cfg)
         run = Run(fabric, cfg, "lenet", dict(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress),
-                  stop, checkpoint_bytes=on_disk["checkpoint"])
+                  stop, checkpoint_bytes=disk_plan(cfg)["checkpoint"])
+        on_disk = disk_plan(cfg)  # again, in the folder Run has named
         fabric.print(f"device: {fabric.device} x {fabric.world_size} process(es), precision {cfg.precision}")
         disk.print_disk_plan(cfg, on_disk, fabric.print)
         if cfg.cuda_graph and fabric.device.type != "cuda":

@@ -85,12 +85,20 @@ def test_a_lenet_run_without_room_for_its_first_checkpoint_and_epoch_is_refused_
 
 
 def test_a_disk_without_room_for_the_first_checkpoint_is_refused_before_the_model_is_built(tmp_path):
+    """Named by the run's folder, or by --out-dir before a run without --run-name is named (it once showed
+    `<out-dir>/run`, a folder no run would write, in the refusal, the start-up line and the record)."""
     with sized_disk(tmp_path / "disk", 300 * 2**10) as mount:
         proc = run_in_process("fabric_gpt.py", *TINY, "--out-dir", mount, "--run-name", "r", check=False)
         message = one_error(proc)
         assert f"the disk of {mount / 'r'} has" in message and "first checkpoint needs" in message, message
         assert "--out-dir" in message and "parameters" not in proc.stdout  # nothing was built
         assert not (mount / "r").exists()
+        unnamed = one_error(run_in_process("fabric_gpt.py", *TINY, "--out-dir", mount, check=False))
+        assert f"the disk of {mount} has" in unnamed, unnamed
+    proc = run_in_process("fabric_gpt.py", *TINY, "--steps", "1", "--no-save-at-end", "--out-dir", tmp_path / "roomy")
+    (folder,) = (tmp_path / "roomy").iterdir()
+    assert json.loads((folder / "record.json").read_text())["disk_planned"]["run_folder"] == str(folder)
+    assert f"    {folder}: the first checkpoint needs" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow

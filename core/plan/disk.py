@@ -94,7 +94,7 @@ def lenet_disk_plan(cfg, P: int, T: int) -> dict:
 def plan_of(cfg, one: float, nvme: float = 0.0, export: float = 0.0, events: float = 0.0) -> dict:
     """What the run writes, where, and what each file system holds free: bytes of one checkpoint, of the checkpoints
     kept (one more while a save completes, before the oldest goes), of the NVMe folder and of the export."""
-    run_dir = Path(cfg.out_dir) / (cfg.run_name or "run")
+    run_dir = Path(cfg.out_dir) / cfg.run_name if cfg.run_name else Path(cfg.out_dir)  # unnamed: checked before Run names it
     nvme_path = getattr(cfg, "nvme_path", "")
     plan = {"checkpoint": one, "checkpoints_kept": cfg.keep_last * one, "while_saving": (cfg.keep_last + 1) * one,
             "nvme": nvme, "export": export, "events": events, "run_folder": str(run_dir)}
