@@ -833,6 +833,16 @@ def test_a_run_that_outruns_its_cached_matmul_peak_drops_it(tmp_path, monkeypatc
     assert measurements.cached("matmul_peak", settings, None, allow_measure=False)[0] > 1e9
 
 
+def test_a_cache_it_cannot_keep_costs_a_measurement_not_the_run(tmp_path, monkeypatch):
+    """A home that cannot hold ~/.cache (read-only, or missing: a container's, a cluster's): the run measures what it
+    needs (the matmul peak, --precision auto's step, the GELU), says once that nothing is kept, and trains; it ended
+    in NotADirectoryError before its first step."""
+    monkeypatch.setenv("FABRIC_LAB_CACHE", "/dev/null/cache")
+    proc = run_gpt(tmp_path, "uncached", "--steps", "2", "--precision", "auto")
+    assert proc.stderr.count("note: measurements are not kept in /dev/null/cache (Not a directory)") == 1, proc.stderr
+    assert record(tmp_path, "uncached")["steps"] == 2
+
+
 def test_a_short_run_counts_its_own_steps_and_says_it_was_not_timed(tmp_path):
     """--steps 2 with the default warm-up of 2: progress counts to 2 (not the schedule's 12), and the summary says
     why there is no step time instead of printing NaN; record.json holds null."""

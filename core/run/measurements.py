@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import statistics
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -54,9 +55,14 @@ def dated(measure):
 def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tuple[dict, bool]:
     """(the entry under `name` in the JSON file at `path`, True), else (measure()'s entry, added to the file, False).
     A file lock makes processes started together (a launcher's ranks) measure once and read the same answer; with
-    `wait` False a process that finds the lock taken measures without it and stores nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
+    `wait` False a process that finds the lock taken measures without it and stores nothing. A cache that cannot be
+    kept (a read-only or missing home, a full disk) costs a measurement per run, never the run: it says so, once."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "w")
+    except OSError as e:
+        return unkept(path, e, measure()), False
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:  # a measurement is running (perhaps this process's parent): the next run stores it
@@ -68,14 +74,31 @@ def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tup
         if name in cache:
             return cache[name], True
         entry = measure()
-        write_json_atomic(path, {**cache, name: entry})
+        try:
+            write_json_atomic(path, {**cache, name: entry})
+        except OSError as e:
+            unkept(path, e, entry)
     return entry, False
+
+
+def unkept(path: Path, error: OSError, entry):
+    """`entry`, measured and not stored at `path`: the note that says why (once per folder and process)."""
+    if path.parent not in unkept.said:
+        unkept.said.add(path.parent)
+        print(f"note: measurements are not kept in {path.parent} ({error.strerror or error}): each run measures "
+              f"again; set FABRIC_LAB_CACHE (fabric_lenet.py: --cache-dir) to a folder it can write", file=sys.stderr)
+    return entry
+
+
+unkept.said = set()
 
 
 def forget(kind: str, settings: dict) -> None:
     """Drop the cached measurement of (this machine, kind, settings), one that a run has shown wrong: the next run
     measures it again."""
     path = cache_file()
+    if not path.exists():  # nothing stored, or no cache kept at all
+        return
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
