@@ -117,6 +117,26 @@ def test_resume_with_other_settings_is_refused(mnist_dir, tmp_path):
     assert "activation: checkpoint 'relu' vs now 'gelu_py'" in last and "batch_size" in last
 
 
+def test_a_resume_path_that_is_no_checkpoint_is_refused_before_fabric_with_the_runs_newest(mnist_dir, tmp_path):
+    """--resume given the run folder or a file in it (record.json) instead of a checkpoint: one line before any
+    process starts, with that run's newest checkpoint as the example (it once named `<out-dir>/<parent>/checkpoints`,
+    after Fabric had started)."""
+    newest = tmp_path / "r" / "checkpoints" / "step-00000040"
+    for folder in (newest.with_name("step-00000020"), newest):  # what the refusal reads of a checkpoint: its files
+        (folder / "state").mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    (tmp_path / "r" / "record.json").write_text("{}")
+    (tmp_path / "elsewhere").mkdir()  # a folder of no run (a path that does not exist is refused as a bad flag)
+    for given in (tmp_path / "r" / "record.json", tmp_path / "r", tmp_path / "elsewhere"):
+        proc = run_in_process("fabric_lenet.py", "--precision", "32-true", "--pad-channels", "8", "--data-dir",
+                              mnist_dir, "--out-dir", tmp_path, "--resume", given, check=False)
+        example = newest if given != tmp_path / "elsewhere" else "<out-dir>/<run>/checkpoints/step-00000100"
+        assert proc.returncode == 1 and proc.stderr.strip() == (
+            f"error: --resume {given}: no checkpoint there (expected a folder with `state` and `config.json`, such as "
+            f"{example}). Fix: pass such a folder or `auto`."), proc.stderr
+        assert "device:" not in proc.stdout and sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "r"]
+
+
 def test_checkpoint_from_before_a_setting_existed_is_compared_as_it_ran(mnist_dir, tmp_path):
     """A checkpoint whose config lacks a setting was made by older code: label smoothing did not exist, so it
     trained without it (0.0) and continuing under the new default 0.1 is refused; a setting with no known

@@ -210,11 +210,9 @@ class Checkpoints:
         """Candidates for --resume, newest first: `auto` lists this run's checkpoints, a path names one."""
         if resume == "auto":
             return list(reversed(self.complete()))
-        path = checkpoint_folder(resume)
-        if not (path / "state").exists() or not STEP_DIR.match(path.name):
-            raise ResumeError(f"--resume {resume}: no checkpoint there (expected a folder with `state` and "
-                              f"`config.json`, such as {self.folder}/step-00000100). Fix: pass such a folder or `auto`.")
-        return [path]
+        if why := not_a_checkpoint(resume):
+            raise ResumeError(why)
+        return [checkpoint_folder(resume)]
 
     def load(self, fabric, state: dict, resume: str, check_config) -> Path | None:
         """Load the newest usable candidate into `state`. Every rank takes the same decision: a checkpoint
@@ -277,6 +275,19 @@ class Checkpoints:
 def checkpoint_folder(resume: str) -> Path:
     path = Path(resume)
     return path.parent if path.name == "state" else path
+
+
+def not_a_checkpoint(resume: str) -> str | None:
+    """Why --resume PATH names no checkpoint, or None where it names one. The example is the newest checkpoint of the
+    run folder PATH lies in (a user who passed the run folder or its record.json), where it has one."""
+    path = checkpoint_folder(resume)
+    if (path / "state").exists() and STEP_DIR.match(path.name):
+        return None
+    run = next((p for p in (path.resolve(), *path.resolve().parents) if (p / "checkpoints").is_dir()), None)
+    newest = Checkpoints(run / "checkpoints").complete()[-1:] if run else []
+    example = newest[0] if newest else "<out-dir>/<run>/checkpoints/step-00000100"
+    return (f"--resume {resume}: no checkpoint there (expected a folder with `state` and `config.json`, such as "
+            f"{example}). Fix: pass such a folder or `auto`.")
 
 
 def state_bytes(obj) -> int:

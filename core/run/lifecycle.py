@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from core.run import flags, folder_lock, full_disk, outputs
-from core.run.checkpoints import RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files, read_record
+from core.run.checkpoints import (RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files,
+                                  not_a_checkpoint, read_record)
 from core.run.files import DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name
@@ -153,6 +154,8 @@ def find_run(cfg, kind: str, finished, identity: dict | None = None) -> dict | N
         folder_lock.refuse_if_held(Path(cfg.out_dir) / cfg.run_name)
     if cfg.resume == "auto" and (done := resume_or_start(cfg, kind, finished, identity or {})) is not None:
         return done
+    if cfg.resume not in ("", "auto") and (why := not_a_checkpoint(cfg.resume)):
+        raise ResumeError(why)  # before any process starts, rather than in Run once they have
     if cfg.resume and not cfg.run_name:
         cfg.run_name = resume_run_name(cfg.resume, cfg.out_dir, kind)
     if cfg.run_name and first_process():  # a run already writing there (its other ranks learn it in Run)
