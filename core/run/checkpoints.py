@@ -283,7 +283,8 @@ def not_a_checkpoint(resume: str) -> str | None:
     path = checkpoint_folder(resume)
     if (path / "state").exists() and STEP_DIR.match(path.name):
         return None
-    run = next((p for p in (path.resolve(), *path.resolve().parents) if (p / "checkpoints").is_dir()), None)
+    where = path.resolve()
+    run = next((p for p in (where, *where.parents) if (p / "checkpoints").is_dir()), None)
     newest = Checkpoints(run / "checkpoints").complete()[-1:] if run else []
     example = newest[0] if newest else "<out-dir>/<run>/checkpoints/step-00000100"
     return (f"--resume {resume}: no checkpoint there (expected a folder with `state` and `config.json`, such as "

@@ -25,8 +25,8 @@ def cache_file() -> Path:
 
 
 def machine_key() -> dict:
-    """What every measurement depends on: the CPU, its instruction-set caps (ATEN_CPU_CAPABILITY,
-    ONEDNN_MAX_CPU_ISA change the kernels as another CPU would) and torch."""
+    """What every measurement depends on: the CPU, the cores this process may use, its instruction-set caps
+    (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA change the kernels as another CPU would) and torch."""
     return {"cpu": cpu_name(), "units": cpu_units(), "cores": usable_cores(), "caps": isa_caps(), "torch": torch.__version__}
 
 
@@ -81,25 +81,29 @@ def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tup
     return entry, False
 
 
+_UNKEPT: set = set()  # the cache folders this process could not write, each said once
+
+
 def unkept(path: Path, error: OSError, entry):
     """`entry`, measured and not stored at `path`: the note that says why (once per folder and process)."""
-    if path.parent not in unkept.said:
-        unkept.said.add(path.parent)
+    if path.parent not in _UNKEPT:
+        _UNKEPT.add(path.parent)
         print(f"note: measurements are not kept in {path.parent} ({error.strerror or error}): each run measures "
               f"again; set FABRIC_LAB_CACHE (fabric_lenet.py: --cache-dir) to a folder it can write", file=sys.stderr)
     return entry
-
-
-unkept.said = set()
 
 
 def forget(kind: str, settings: dict) -> None:
     """Drop the cached measurement of (this machine, kind, settings), one that a run has shown wrong: the next run
     measures it again."""
     path = cache_file()
-    if not path.exists():  # nothing stored, or no cache kept at all
+    try:
+        lock = open(path.with_suffix(".lock"), "w") if path.exists() else None
+    except OSError:  # a cache this process cannot write: nothing it could drop
+        lock = None
+    if lock is None:
         return
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             cache = json.loads(path.read_text())
