@@ -98,9 +98,12 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     for p in sorted(set(candidates) - set(complete)):
         rep.note(f"run `{p.name}` has no record.json: it was interrupted or is still running. "
                  f"Continue it with `make lenet RESUME=auto RUN={p.name}`.")
-    # the default activation's newest run when there is one (make lab also trains each activation after it)
-    defaults = [p for p in complete if (load_json(p / RECORD) or {}).get("config", {}).get("activation") == "relu"]
-    run = chosen or newest([p / RECORD for p in defaults or complete])
+    # the default activation's newest run when there is one (make lab also trains each activation after it), and of
+    # those one on the whole training set (a run cut short by --train-samples or --max-steps is a check, not a result)
+    settings = {p: (load_json(p / RECORD) or {}).get("config", {}) for p in complete}
+    defaults = [p for p in complete if settings[p].get("activation") == "relu"]
+    whole = [p for p in defaults if not settings[p].get("train_samples") and not settings[p].get("max_steps")]
+    run = chosen or newest([p / RECORD for p in whole or defaults or complete])
     run = run.parent if run and run.name == RECORD else run
     if run is None:
         rep.note("no finished LeNet-5 run under runs/. Produce one with `make lenet`.")
@@ -356,7 +359,7 @@ def build_parser():
     parser.add_argument("--out", default="report", type=Folder(), help="folder for REPORT.md and the figures "
                         "(default: report)")
     parser.add_argument("--lenet", default=None, type=Folder(create=False), help="a LeNet run folder (default: the "
-                        "newest finished relu run, else the newest)")
+                        "newest finished relu run on the whole training set, else the newest relu run, else the newest)")
     parser.add_argument("--gpt-text", default=None, type=Folder(create=False), help="a GPT-2 run on text (default: "
                         "the newest finished one)")
     parser.add_argument("--gpt-bench", default=None, type=Folder(create=False), help="a bench-gpt-* folder (default: "

@@ -2,6 +2,7 @@
 missing, half-written and old-format runs."""
 
 import json
+import os
 import re
 import shutil
 
@@ -139,6 +140,23 @@ def test_half_written_and_old_runs_give_notes(runs, tmp_path):
     assert "`lenet-killed` has no record.json" in text and "RESUME=auto RUN=lenet-killed" in text
     assert "could not be built (KeyError" in text
     assert "bench.json` is unreadable" in text
+
+
+def test_the_report_shows_a_run_on_the_whole_training_set_before_a_newer_check(runs, tmp_path):
+    """A quick check (--train-samples, --max-steps) made after the lab's LeNet-5 run is not the lab's result: the
+    report takes the newest relu run on the whole training set, and the check only where there is no such run."""
+    folder = tmp_path / "runs"
+    shutil.copytree(runs / "lenet-short", folder / "lenet-whole")
+    record = json.loads((folder / "lenet-whole" / "record.json").read_text())
+    record["config"]["train_samples"] = 0
+    (folder / "lenet-whole" / "record.json").write_text(json.dumps(record))
+    shutil.copytree(runs / "lenet-short", folder / "lenet-check")
+    later = (folder / "lenet-whole" / "record.json").stat().st_mtime + 60
+    os.utime(folder / "lenet-check" / "record.json", (later, later))  # the newer of the two
+    text = report.main(["--runs", str(folder), "--out", str(tmp_path / "r")]).read_text()
+    assert "Run `lenet-whole`" in text and "Run `lenet-check`" not in text
+    shutil.rmtree(folder / "lenet-whole")
+    assert "Run `lenet-check`" in report.main(["--runs", str(folder), "--out", str(tmp_path / "r")]).read_text()
 
 
 @pytest.mark.slow  # a 2-process benchmark case, started under torchrun
