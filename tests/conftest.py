@@ -27,6 +27,9 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["FABRIC_LAB_CACHE"], ignore_errors=True)  # after the workers have ended
     # every extension build of the suite's processes adds a line here (extension_compiler.noted_build)
     os.environ["FABRIC_LAB_BUILD_LOG"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "builds.jsonl")
+    # torchrun (the tests of several nodes, of gpt.sbatch) makes a log folder per launch, /tmp/torchelastic_* by
+    # default, and leaves it: here, with the cache, removed at the end (PET_LOG_DIR is its --log-dir)
+    os.environ["PET_LOG_DIR"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "torchrun-logs")
 
 
 # pytest-xdist's workers share the machine's cores: each worker's processes take cores / workers threads, where
