@@ -19,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from core.host import warm_python  # noqa: E402 (the repository's, on the path above)
+from core.run.ranks import usable_cores  # noqa: E402
 
 # device_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
 # pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
@@ -36,7 +37,7 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 # torch's default (every core, in each worker) has their OpenMP threads spin against each other
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cores() // WORKERS))
 
 
 @pytest.fixture(scope="session", autouse=True)
