@@ -36,12 +36,14 @@ from core.run.checkpoints import ResumeError
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, gpu_precision, return_freed_host_memory, uses_gpu
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
-from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resumed_precision
+from core.run.lifecycle import (Progress, Run, exit_without_teardown, exits, find_run, resumed_config,
+                                resumed_precision)
 from core.run.measurements import rank_threads
 from core.run.ranks import agree_on_precision, check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+DEFAULT_SAMPLES = 256  # a run without --num-samples or --steps: the course's fixed set of samples
 NVME_RESUME = ("a run with --nvme-path does not resume (DeepSpeed restores no AdamW state from its checkpoints: "
                "docs/limits.md): free space and start it again under another --run-name")
 
@@ -67,8 +69,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                          "a saved tokenizer's path", check=flags.Existing(("char", "bpe"), optional=True), runtime=True)
     data_dir: str = opt("data/text", "the fetched corpus and its prepared token files", check=flags.Folder(),
                         runtime=True)
-    num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: 256; "
-                           "text: --steps' worth)", min=1, zero=True)
+    num_samples: int = opt(0, "samples in all = steps x micro-batch x accumulation x data-parallel size (0: --steps' "
+                           "worth, random tokens at least 256)", min=1, zero=True)
     micro_batch_size: int = opt(0, "samples per data-parallel rank per forward/backward (0: on a GPU the largest the "
                                 "memory plan fits, else 4)", min=1, zero=True)
     grad_accum: int = opt(0, "micro-batches per optimizer step (0: 1, or under pp one per stage: the micro-batches "
@@ -163,7 +165,6 @@ def resolve(cfg: Config) -> Config:
     cfg = dataclasses.replace(cfg, dataset=dataset, tokenizer=cfg.tokenizer or ("char" if text else ""), n_embd=cfg.n_embd or n_embd, n_layer=cfg.n_layer or n_layer,
                               n_head=cfg.n_head or n_head, seq_len=cfg.seq_len or seq_len,
                               vocab_size=cfg.vocab_size or (0 if text else vocab),
-                              num_samples=cfg.num_samples or (0 if text else 256),
                               grad_accum=cfg.grad_accum or cfg.layout.pp_size,
                               lr=cfg.lr or (5e-4 if cfg.model == "1.6b" else 6e-4),
                               log_every=cfg.log_every or (10 if uses_gpu(cfg.accelerator) else 1),
@@ -174,7 +175,20 @@ def resolve(cfg: Config) -> Config:
     cfg = dataclasses.replace(cfg, compile=levers if cfg.compile is None else cfg.compile,
                               chunked_loss=levers if cfg.chunked_loss is None else cfg.chunked_loss,
                               pad_vocab_to=cfg.pad_vocab_to or (64 if levers else 1))
-    return cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
+    cfg = cfg if cfg.micro_batch_size else dataclasses.replace(cfg, micro_batch_size=default_micro_batch(cfg))
+    return cfg if cfg.num_samples or text else dataclasses.replace(cfg, num_samples=default_num_samples(cfg))
+
+
+def default_num_samples(cfg: Config) -> int:
+    """--num-samples 0: --steps' worth, a whole number of steps whatever the layout; without --steps (and for random
+    tokens whatever it says) at least 256 samples, a schedule that a short --steps stops early in. A resumed run keeps
+    its own when that is more (check_resume extends a run to more samples, never to fewer)."""
+    per_step = max(1, samples_per_step(cfg))  # 0 where the layout is impossible: validate() refuses it later
+    least = max(1, DEFAULT_SAMPLES // per_step)
+    steps = cfg.steps if cfg.dataset == "text" and cfg.steps else max(cfg.steps, least)
+    resumed = resumed_config(cfg.resume, cfg.out_dir, cfg.run_name, "gpt")
+    own = resumed.get("num_samples", 0) if resumed.get("dataset") == cfg.dataset else 0
+    return max(steps * per_step, own if isinstance(own, int) else 0)
 
 
 def resolve_precision(cfg: Config) -> None:
@@ -262,9 +276,7 @@ def resolve_text(cfg: Config) -> None:
                               f"{cfg.seq_len}; use a longer text or --seq-len {max(2, count)} or less")
     # bpe's --vocab-size is the size it was trained for (what names its prepared files), at least what it reached
     cfg.vocab_size = bpe_target(cfg) if cfg.tokenizer == "bpe" else max(cfg.vocab_size, prepared.vocab_size)
-    if not cfg.num_samples:
-        per_step = samples_per_step(cfg)
-        cfg.num_samples = (cfg.steps or max(1, 256 // per_step)) * per_step
+    cfg.num_samples = cfg.num_samples or default_num_samples(cfg)
 
 
 @functools.cache
@@ -571,6 +583,10 @@ def validate(cfg: Config) -> None:
                           f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
                           f"{lay.dp_size} data-parallel ranks); choose e.g. --num-samples "
                           f"{per_step * max(1, cfg.num_samples // per_step)}")
+    if cfg.steps > cfg.num_samples // per_step:
+        raise ConfigError(f"--steps {cfg.steps} is more than the {cfg.num_samples // per_step} optimizer steps that "
+                          f"--num-samples {cfg.num_samples} holds at {per_step} samples a step; give --num-samples "
+                          f"{cfg.steps * per_step}, or leave it out: it is --steps' worth by default")
     # auto's two choices keep float32 weights: the same bytes on disk
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
     resolve_precision(cfg)  # after every refusal it does not change (it times a cut model); the rest plans with it
@@ -802,11 +818,11 @@ def text_record(cfg: Config, progress: Progress) -> dict:
 
 def check_resume(saved: dict, cfg: Config) -> None:
     """The number of processes must stay (it shards the checkpoint and sets the global batch); how they are laid
-    out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime). A text
-    run extends: more windows (what a larger --steps asks for) continue the same ones, at the rate its schedule ended
+    out over nodes may change (2 processes on one node, or one on each of 2: devices and num_nodes are runtime). A run
+    extends: more samples (what a larger --steps asks for) continue the same ones, at the rate its schedule ended
     with (its checkpoint keeps the schedule it started with)."""
-    if cfg.dataset == "text" and saved.get("dataset") == "text" and cfg.num_samples > saved.get("num_samples", 0):
-        saved["num_samples"] = cfg.num_samples  # compared as equal: text_corpus.Windows draws a longer prefix
+    if cfg.dataset == saved.get("dataset") and cfg.num_samples > saved.get("num_samples", 0):
+        saved["num_samples"] = cfg.num_samples  # compared as equal: every dataset's first samples are the same
     was, now = saved_config(saved).layout.world, cfg.layout.world
     if now == was:
         return

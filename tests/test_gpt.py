@@ -2,6 +2,7 @@
 DeepSpeed strategy, FSDP2, tensor parallel, 2-D, pipeline parallel) on 2 real processes against one
 process, accumulation, resume, export to one state dict, the memory plan, and the bad inputs."""
 
+import dataclasses
 import json
 import os
 import re
@@ -572,6 +573,8 @@ def test_a_pipeline_takes_a_micro_batch_per_stage_unless_told():
     (["--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme", "--resume", "auto"], "moments and step count"),
     (["--devices", "512", "--accelerator", "cpu"], "CPU core(s)"),
     (["--num-samples", "10", "--micro-batch-size", "4"], "not a multiple of the 4 samples per optimizer step"),
+    (["--num-samples", "256", "--steps", "100"], "--steps 100 is more than the 64 optimizer steps that --num-samples 256 "
+                                                 "holds at 4 samples a step; give --num-samples 400"),
     (["--num-samples", "2000000000", "--accelerator", "cpu"], "GiB of token ids, more than a quarter"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
     (["--precision", "16-mixed", "--accelerator", "cpu", "--strategy", "deepspeed_stage_2"], "needs a GPU"),
@@ -946,6 +949,30 @@ def test_resume_auto_on_a_finished_gpt_run_trains_no_more(tmp_path):
     assert "has finished (its record.json holds step 3); nothing to train" in again.stdout and "loss" not in again.stdout
     more = run_gpt(tmp_path, "done", "--steps", "5", "--resume", "auto")
     assert "resumed from" in more.stdout and record(tmp_path, "done")["steps"] == 5
+
+
+def test_a_runs_samples_are_a_whole_number_of_steps_and_its_steps_worth(tmp_path):
+    """Without --num-samples a run took 256 samples: `make gpt ACCUM=3` (12 a step) was refused for a flag nobody gave,
+    and `make gpt STEPS=100` trained 64 steps, all that 256 held, without a word. Now the default is whole steps, at
+    least --steps' worth; a larger --steps extends a run over the same first samples; --resume without --steps keeps
+    the run's own (a run of 70 steps is finished, not refused for 256 samples against its 280)."""
+    for argv, per_step in ((["--grad-accum", "3"], 12), (["--micro-batch-size", "3"], 3), (["--micro-batch-size", "300"], 300),
+                           (["--micro-batch-size", "5", "--grad-accum", "7"], 35)):
+        cfg = gpt.parse_args(argv)
+        assert cfg.num_samples == max(1, 256 // per_step) * per_step, argv  # 252, 255, 300, 245
+    assert gpt.schedule_steps(gpt.parse_args(["--steps", "100"])) == (100, 100)
+    for dataset in ("random", "ramp"):  # the first samples of a larger set are the smaller set
+        cfg = gpt.parse_args(["--dataset", dataset])
+        small, large = (gpt.make_dataset(dataclasses.replace(cfg, num_samples=n)).tensors[0] for n in (256, 1000))
+        assert torch.equal(small, large[:256])
+    base = ["--model", "tiny", "--dataset", "ramp", "--n-layer", "1", "--seq-len", "16", "--accelerator", "cpu",
+            "--precision", "32-true", "--log-every", "35", "--no-save-at-end"]
+    run_gpt(tmp_path, "long", "--steps", "70", "--checkpoint-every", "70", base=base)
+    assert (record(tmp_path, "long")["steps"], record(tmp_path, "long")["config"]["num_samples"]) == (70, 280)
+    done = run_gpt(tmp_path, "long", "--resume", "auto", base=base)
+    assert "has finished (its record.json holds step 70)" in done.stdout, done.stdout[-2000:]
+    more = run_gpt(tmp_path, "long", "--steps", "72", "--resume", "auto", base=base)
+    assert "steps 71-72 of 70" in more.stdout and record(tmp_path, "long")["steps"] == 72
 
 
 def test_mfu_of_a_bf16_run_without_bf16_instructions_is_a_share(tmp_path):

@@ -189,16 +189,23 @@ def resume_run_name(resume: str, out_dir: str, kind: str) -> str:
     return max(runs, key=newest).name  # by its checkpoints alone: a folder set aside (abandoned-*) is not one
 
 
-def resumed_precision(resume: str, out_dir: str, run_name: str, kind: str) -> str | None:
-    """With --resume, the precision the run being resumed recorded (config.json), if it has one: --precision auto
-    takes it, as a new measurement near its margin could choose the other and refuse the resume as another setting."""
+def resumed_config(resume: str, out_dir: str, run_name: str, kind: str) -> dict:
+    """With --resume, the settings the run being resumed recorded (its config.json), or {} where there is none yet
+    (find_run says so, or starts the run). A setting a flag leaves to the script takes the run's own from here: a
+    fresh choice (a measurement near its margin, a sample count from another --steps) would refuse the resume."""
     if not resume:
-        return None
+        return {}
     try:
         name = run_name or resume_run_name(resume, out_dir, kind)
-        return json.loads((Path(out_dir) / name / "config.json").read_text()).get("precision")
-    except (ResumeError, OSError, ValueError):  # nothing to resume yet: find_run says so, or starts the run
-        return None
+        saved = json.loads((Path(out_dir) / name / "config.json").read_text())
+    except (ResumeError, OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def resumed_precision(resume: str, out_dir: str, run_name: str, kind: str) -> str | None:
+    """--precision auto of a resumed run: the precision it recorded, if any."""
+    return resumed_config(resume, out_dir, run_name, kind).get("precision")
 
 
 def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str,
