@@ -106,7 +106,7 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
     run = chosen or newest([p / RECORD for p in whole or defaults or complete])
     run = run.parent if run and run.name == RECORD else run
     if run is None:
-        rep.note("no finished LeNet-5 run under runs/. Produce one with `make lenet`.")
+        rep.note(f"no finished LeNet-5 run under {runs}/. Produce one with `make lenet`.")
         return
     s = load_json(run / RECORD)
     if s is None:

@@ -115,7 +115,8 @@ def test_empty_runs_folder_gives_notes(tmp_path, monkeypatch):
     runs = f"RUNS={tmp_path / 'nothing'}"
     assert "nothing has run yet" in text and f"`make lenet {runs}`" in text and "`make bench-gpt MODEL=tiny" in text
     assert f"`make bench-lenet {runs}`" in text and f"`make gelu-check {runs}`" in text
-    assert "Traceback" not in text and "| None |" not in text
+    assert "Traceback" not in text and "| None |" not in text and "under runs/" not in text
+    assert f"no finished LeNet-5 run under {tmp_path / 'nothing'}/" in text
     commands = re.findall(r"`(make [^`]*)`", text)
     assert len(commands) >= 8 and all(c.endswith(runs) for c in commands), commands
     monkeypatch.chdir(tmp_path / "nothing")
