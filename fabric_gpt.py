@@ -269,11 +269,13 @@ def resolve_text(cfg: Config) -> None:
     if cfg.vocab_size and cfg.vocab_size < prepared.vocab_size:
         raise ConfigError(f"--vocab-size {cfg.vocab_size} is smaller than the {prepared.vocab_size} tokens of the "
                           f"{cfg.tokenizer} tokenizer; leave --vocab-size out (the tokenizer's) or give at least that")
+    longest = min(prepared.train_tokens, prepared.val_tokens)  # the window both splits hold
     for split, count in (("train", prepared.train_tokens), ("val", prepared.val_tokens)):
         if count < cfg.seq_len:
+            shorter = f" or --seq-len {longest} or less" if longest >= 2 else ""  # a window of 1 predicts nothing
             raise ConfigError(f"the corpus {prepared.corpus} gives {count:,} {split} tokens ({'the last 10%' if split == 'val' else 'the first 90%'} "
                               f"of its {prepared.train_tokens + prepared.val_tokens:,}), fewer than one window of --seq-len "
-                              f"{cfg.seq_len}; use a longer text or --seq-len {max(2, count)} or less")
+                              f"{cfg.seq_len}; use a longer text{shorter}")
     # bpe's --vocab-size is the size it was trained for (what names its prepared files), at least what it reached
     cfg.vocab_size = bpe_target(cfg) if cfg.tokenizer == "bpe" else max(cfg.vocab_size, prepared.vocab_size)
     cfg.num_samples = cfg.num_samples or default_num_samples(cfg)

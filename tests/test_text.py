@@ -345,7 +345,8 @@ def test_resuming_with_another_tokenizer_or_corpus_is_refused(tmp_path, text_dir
     (["--text", "{tmp}/missing.txt"], "must be an existing file or folder"),
     (["--text", "{tmp}/empty.txt"], "empty"),
     (["--text", "{tmp}/binary.bin"], "a binary file, not text"),
-    (["--text", "{tmp}/short.txt"], "fewer than one window of --seq-len 32"),
+    (["--text", "{tmp}/short.txt"], "fewer than one window of --seq-len 32; use a longer text or --seq-len 16 or less"),
+    (["--text", "{tmp}/tiny.txt"], "of its 12), fewer than one window of --seq-len 32; use a longer text\n"),  # 11 + 1
     (["--vocab-size", "50"], "smaller than the 85 tokens of the char tokenizer"),
     (["--dataset", "random", "--tokenizer", "char"], "read by --dataset text only"),
     (["--tokenizer", "{tmp}/empty.txt"], "not a tokenizer"),
@@ -354,6 +355,7 @@ def test_bad_text_input_ends_in_one_message(tmp_path, text_dir, args, message):
     write(tmp_path / "empty.txt", "")
     write(tmp_path / "binary.bin", bytes(range(256)))
     write(tmp_path / "short.txt", "to be or not to be, that is the question\n" * 4)
+    write(tmp_path / "tiny.txt", "hello world\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     # main() in this process (a traceback would fail the test here); the command line's own path: test_flags.py
     proc = run_in_process("fabric_gpt.py", *TEXT, "--data-dir", text_dir, "--steps", "1", "--out-dir", tmp_path, *args,
