@@ -364,6 +364,9 @@ def validate(cfg: Config) -> dict | None:
         raise ConfigError(f"--compile-mode {cfg.compile_mode} is a mode of torch.compile; add --compile")
     if cfg.cuda_graph:
         check_whole_step(cfg)
+    if not cfg.channels_last and cfg.pad_channels not in ("auto", 0):
+        raise ConfigError(f"--pad-channels {cfg.pad_channels} pads conv1's output in the channels-last layout and "
+                          "--no-channels-last computes in NCHW, where it would pad nothing; drop one of them")
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
     if cfg.activation == "gelu_cpp":

@@ -197,6 +197,7 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--accelerator", "gpu"], "no CUDA GPU"),
     (["--num-workers", "2"], "--data loader only"),
     (["--compile-mode", "reduce-overhead"], "add --compile"),
+    (["--pad-channels", "8", "--no-channels-last"], "where it would pad nothing; drop one of them"),
     (["--sync-check", "--accelerator", "cpu"], "needs a GPU"),
     (["--cuda-graph", "--data", "loader"], "use --data memory"),
     (["--cuda-graph", "--optimizer", "sgd"], "use adamw"),
