@@ -719,7 +719,9 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> 
     total_steps, stop_at = progress.schedule_steps, schedule_steps(cfg)[1]
     steps = (f"steps {progress.step + 1}-{stop_at}" if stop_at > progress.step else f"no step left: the run is at step "
              f"{progress.step} and this command ends it at {stop_at} (a larger --steps goes on)")
-    fabric.print(f"{n_params / 1e6:,.2f}M parameters, {steps} of {total_steps}, each "
+    span = (f"of {total_steps}" if stop_at <= total_steps else
+            f"past its schedule of {total_steps} (the learning rate stays at the schedule's end)")
+    fabric.print(f"{n_params / 1e6:,.2f}M parameters, {steps} {span}, each "
                  f"{cfg.micro_batch_size} x {cfg.grad_accum} x {cfg.layout.dp_size} samples x {cfg.seq_len} tokens; "
                  f"peak {peak[0] / 1e12:.2f} TFLOPS ({peak[1]})" if peak[0] else f"peak FLOP/s unknown ({peak[1]})")
     fabric.print(f"attention: {attention_kernel(cfg, fabric.device, attn)}")
