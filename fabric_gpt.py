@@ -574,21 +574,7 @@ def validate(cfg: Config) -> None:
     on_gpu = check_hardware(cfg.accelerator, cfg.devices, cfg.precision, fp16_on_cpu=not lay.deepspeed)
     if cfg.nvme_path:
         strategies.prepare_nvme_offload(cfg.nvme_path, on_gpu)
-    data_bytes = cfg.num_samples * cfg.seq_len * 8  # the token ids, int64, made whole before the first step
-    if cfg.dataset != "text" and data_bytes > accounting.host_available(cfg) / 4:  # text: windows of a memory-mapped file
-        raise ConfigError(f"--num-samples {cfg.num_samples} x --seq-len {cfg.seq_len} tokens are {data_bytes / 2**30:.1f} "
-                          f"GiB of token ids, more than a quarter of this machine's available memory; use fewer samples "
-                          f"(--steps ends a run early without making its samples smaller)")
-    per_step = samples_per_step(cfg)
-    if cfg.num_samples % per_step:
-        raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "
-                          f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
-                          f"{lay.dp_size} data-parallel ranks); choose e.g. --num-samples "
-                          f"{per_step * max(1, cfg.num_samples // per_step)}")
-    if cfg.steps > cfg.num_samples // per_step:
-        raise ConfigError(f"--steps {cfg.steps} is more than the {cfg.num_samples // per_step} optimizer steps that "
-                          f"--num-samples {cfg.num_samples} holds at {per_step} samples a step; give --num-samples "
-                          f"{cfg.steps * per_step}, or leave it out: it is --steps' worth by default")
+    check_samples(cfg)
     # auto's two choices keep float32 weights: the same bytes on disk
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
     resolve_precision(cfg)  # after every refusal it does not change (it times a cut model); the rest plans with it
@@ -598,6 +584,26 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
     accounting.check_host_memory(cfg, on_gpu)
+
+
+def check_samples(cfg: Config) -> None:
+    """The sample set fits in memory, is whole optimizer steps and holds --steps."""
+    data_bytes = cfg.num_samples * cfg.seq_len * 8  # the token ids, int64, made whole before the first step
+    if cfg.dataset != "text" and data_bytes > accounting.host_available(cfg) / 4:  # text: windows of a memory-mapped file
+        raise ConfigError(f"--num-samples {cfg.num_samples} x --seq-len {cfg.seq_len} tokens are {data_bytes / 2**30:.1f} "
+                          f"GiB of token ids, more than a quarter of this machine's available memory; use fewer samples "
+                          f"(--num-samples; without it a run takes --steps' worth), or --dataset text, whose "
+                          f"windows are read from a memory-mapped file")
+    per_step = samples_per_step(cfg)
+    if cfg.num_samples % per_step:
+        raise ConfigError(f"--num-samples {cfg.num_samples} is not a multiple of the {per_step} samples per optimizer "
+                          f"step (micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum} x "
+                          f"{cfg.layout.dp_size} data-parallel ranks); choose e.g. --num-samples "
+                          f"{per_step * max(1, cfg.num_samples // per_step)}")
+    if cfg.steps > cfg.num_samples // per_step:
+        raise ConfigError(f"--steps {cfg.steps} is more than the {cfg.num_samples // per_step} optimizer steps that "
+                          f"--num-samples {cfg.num_samples} holds at {per_step} samples a step; give --num-samples "
+                          f"{cfg.steps * per_step}, or leave it out: it is --steps' worth by default")
 
 
 # ----------------------------------------------------------------------------- main
