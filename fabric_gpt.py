@@ -188,7 +188,8 @@ def default_num_samples(cfg: Config) -> int:
     steps = cfg.steps if cfg.dataset == "text" and cfg.steps else max(cfg.steps, least)
     resumed = resumed_config(cfg.resume, cfg.out_dir, cfg.run_name, "gpt")
     own = resumed.get("num_samples", 0) if resumed.get("dataset") == cfg.dataset else 0
-    return max(steps * per_step, own if isinstance(own, int) else 0)
+    whole = isinstance(own, int) and own % per_step == 0  # else another layout: the resume refuses it by name
+    return max(steps * per_step, own if whole else 0)
 
 
 def resolve_precision(cfg: Config) -> None:
