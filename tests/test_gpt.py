@@ -976,6 +976,19 @@ def test_a_runs_samples_are_a_whole_number_of_steps_and_its_steps_worth(tmp_path
     assert record(tmp_path, "long")["steps"] == 72
 
 
+def test_a_checkpoint_resumed_into_another_out_dir_keeps_its_runs_settings(tmp_path):
+    """--resume PATH with another --out-dir: --precision auto and the sample count come from the run that saved the
+    checkpoint (the config.json beside its checkpoints), as for --resume auto. They were looked for under the new
+    --out-dir, where nothing was yet: the precision was measured anew, and 256 samples refused against the run's 280."""
+    base = ["--model", "tiny", "--dataset", "ramp", "--n-layer", "1", "--seq-len", "16", "--accelerator", "cpu",
+            "--log-every", "35", "--no-save-at-end"]
+    run_gpt(tmp_path / "a", "x", "--steps", "70", "--checkpoint-every", "35", base=base)
+    moved = run_gpt(tmp_path / "b", "x", "--resume", tmp_path / "a" / "x" / "checkpoints" / "step-00000035", base=base)
+    precision = record(tmp_path / "a", "x")["config"]["precision"]  # what the probe chose on this CPU
+    assert f"precision auto: {precision} (the precision the resumed run trained in" in moved.stdout, moved.stdout[-2000:]
+    assert "steps 36-70 of 70" in moved.stdout and record(tmp_path / "b", "x")["config"]["num_samples"] == 280
+
+
 def test_mfu_of_a_bf16_run_without_bf16_instructions_is_a_share(tmp_path):
     """Under the AVX2 caps (no bf16 instructions: they imitate such a CPU's instruction set), the bf16 matmul probe
     alone runs ~1 GFLOP/s while the model's addmm runs far faster: the peak is the best path measured, named in the

@@ -195,12 +195,19 @@ def resumed_config(resume: str, out_dir: str, run_name: str, kind: str) -> dict:
     fresh choice (a measurement near its margin, a sample count from another --steps) would refuse the resume."""
     if not resume:
         return {}
+    folders = [] if resume == "auto" else [checkpoint_folder(resume).resolve().parent.parent]  # the checkpoint's run
     try:
-        name = run_name or resume_run_name(resume, out_dir, kind)
-        saved = json.loads((Path(out_dir) / name / "config.json").read_text())
-    except (ResumeError, OSError, ValueError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
+        folders.append(Path(out_dir) / (run_name or resume_run_name(resume, out_dir, kind)))
+    except ResumeError:
+        pass
+    for folder in folders:
+        try:
+            saved = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict):
+            return saved
+    return {}
 
 
 def resumed_precision(resume: str, out_dir: str, run_name: str, kind: str) -> str | None:
