@@ -75,8 +75,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                                 "memory plan fits, else 4)", min=1, zero=True)
     grad_accum: int = opt(0, "micro-batches per optimizer step (0: 1, or under pp one per stage: the micro-batches "
                           "in flight)", min=1, zero=True)
-    steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); resumable further", min=0,
-                     runtime=True)
+    steps: int = opt(0, "stop after this many optimizer steps (0: all of num_samples); a larger one later extends the "
+                     "run", min=0, runtime=True)
     seed: int = opt(1234, "seed of the weights and the data", min=0)
     optimizer: str = opt("adamw", "adamw (betas 0.9/--beta2), or plain sgd (exact parity checks)", ("adamw", "sgd"),
                          group="optimisation")
