@@ -28,7 +28,7 @@ class Config:
     out_dir: str = opt("runs", "folder holding one folder per run", check=flags.Folder(create=False))
     prompt: str = opt("", "the text generation starts from (default: a newline)", check=flags.Text())
     max_new_tokens: int = opt(500, "tokens to generate", min=1)
-    temperature: float = opt(0.8, "softmax temperature (lower: more conservative)", above=0)
+    temperature: float = opt(0.8, "softmax temperature (lower: more conservative; 0: always the likeliest token)", min=0)
     top_k: int = opt(200, "draw from the k likeliest tokens (0: all)", min=0)
     seed: int = opt(1234, "seed of the draws", min=0)
 
@@ -61,14 +61,17 @@ def load_model(cfg: Config):
 @torch.no_grad()
 def generate(model, ids: list[int], cfg: Config, context: int, vocab: int) -> list[int]:
     """Draw --max-new-tokens tokens one at a time from the softmax of the last position's logits over the
-    tokenizer's vocabulary, divided by --temperature and cut to the --top-k likeliest; seeded by --seed."""
+    tokenizer's vocabulary, divided by --temperature and cut to the --top-k likeliest; seeded by --seed. Temperature
+    0 is its limit: the likeliest token each time, as --top-k 1."""
     generator = torch.Generator().manual_seed(cfg.seed)
     x = torch.tensor([ids])
     for _ in range(cfg.max_new_tokens):
         # at most context - 1 tokens: training (gpt_model.window_loss) never runs the last position
-        logits = model(input_ids=x[:, -(context - 1):]).logits[:, -1, :vocab].float() / cfg.temperature
-        if cfg.top_k and cfg.top_k < vocab:
-            kth = torch.topk(logits, cfg.top_k).values[:, -1:]
+        logits = model(input_ids=x[:, -(context - 1):]).logits[:, -1, :vocab].float()
+        top_k = 1 if cfg.temperature == 0 else cfg.top_k
+        logits = logits / (cfg.temperature or 1.0)
+        if top_k and top_k < vocab:
+            kth = torch.topk(logits, top_k).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
         x = torch.cat([x, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], dim=1)
     return x[0].tolist()
@@ -82,7 +85,9 @@ def main(argv=None) -> str:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     text = tokenizer.decode(generate(model, ids, cfg, saved.seq_len, tokenizer.get_vocab_size()))
-    print(f"{checkpoint} (step {step_of(checkpoint)}), temperature {cfg.temperature}, top-k {cfg.top_k}:\n")
+    how = "temperature 0: the likeliest token each time" if cfg.temperature == 0 else \
+        f"temperature {cfg.temperature}, top-k {cfg.top_k}"
+    print(f"{checkpoint} (step {step_of(checkpoint)}), {how}:\n")
     print(text)
     return text
 

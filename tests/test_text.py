@@ -249,6 +249,9 @@ def test_a_text_run_learns_reports_validation_and_samples(tmp_path, text_dir):
     greedy = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "t", "--top-k", "1",
                             "--max-new-tokens", "20")
     assert "step-00000024 (step 24)" in greedy.stdout
+    coldest = run_in_process("lab.sample", "--out-dir", tmp_path, "--run-name", "t", "--temperature", "0",
+                             "--max-new-tokens", "20", "--seed", "9")  # the limit of the temperature: greedy too
+    assert coldest.stdout.split(":\n\n", 1)[1] == greedy.stdout.split(":\n\n", 1)[1]
     from transformers import AutoModelForCausalLM, AutoTokenizer  # the exported folder carries the tokenizer
 
     hf_tok, hf_model = AutoTokenizer.from_pretrained(tmp_path / "t" / "hf"), AutoModelForCausalLM.from_pretrained(tmp_path / "t" / "hf")
