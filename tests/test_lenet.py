@@ -268,6 +268,9 @@ def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatc
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert base["local_batch"] == 512 and base["cpu"] and base["torch"] == torch.__version__
     assert cpu_speed.lenet_probe_key(Config(devices=2))["local_batch"] == 256
+    # a larger batch is timed at the probe's largest, whose samples cost as much: 60,000 took minutes before any line
+    assert cpu_speed.lenet_probe_key(Config(batch_size=60000))["local_batch"] == cpu_speed.PROBE_BATCH == 1024
+    assert cpu_speed.lenet_probe_key(Config(batch_size=60000)) == cpu_speed.lenet_probe_key(Config(batch_size=2048))
     assert cpu_speed.lenet_probe_key(Config(channels_last=False)) != base
     assert cpu_speed.lenet_probe_key(Config(activation="gelu_py")) != base
 

@@ -46,6 +46,10 @@ PROBE_VERSION = 3  # 3: the padding too; 2: 8 paired windows and a margin; 1: 4 
 BF16_MARGIN = MARGIN  # bf16 autocast is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
 MEASURED = ("32-true", "bf16-mixed")  # the precisions the probe's step computes in
 PADS = (8, 0)  # conv1's channels as a whole vector of 8, or as they are
+# The probe's largest batch: its 104 steps cost in proportion to the batch (a batch of 60,000 took minutes before
+# its first line), and a sample costs the same above 512 (float32 and bf16, padded or not, at 512-4096 on a Xeon with
+# AVX-512 BF16 within the windows' spread, 2026-11-29: docs/lenet.md), so a larger batch is timed at this one.
+PROBE_BATCH = 1024
 
 
 def conv1_channels(cfg) -> int:
@@ -55,13 +59,13 @@ def conv1_channels(cfg) -> int:
 
 
 def lenet_probe_key(cfg) -> dict:
-    """What LeNet-5's step speed depends on: the CPU, the libraries, the threads a rank gets, the local batch
-    and the memory layout, and what is timed: the precisions and paddings left open. A change of any of them measures
+    """What LeNet-5's step speed depends on: the CPU, the libraries, the threads a rank gets, the local batch (up to
+    PROBE_BATCH, the batch it is timed at) and the memory layout, and what is timed: the precisions and paddings left open. A change of any of them measures
     again, as does a new version of the probe."""
     precisions = MEASURED if cfg.precision == "auto" else (cfg.precision,)
     pads = PADS if cfg.pad_channels == "auto" else (cfg.pad_channels,)
     return {"probe": PROBE_VERSION, "cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
-            "threads": rank_threads(cfg.devices), "local_batch": cfg.batch_size // cfg.layout.world,
+            "threads": rank_threads(cfg.devices), "local_batch": min(cfg.batch_size // cfg.layout.world, PROBE_BATCH),
             "channels_last": cfg.channels_last, "precisions": list(precisions), "pads": list(pads),
             "activation": cfg.activation}
 
@@ -168,8 +172,9 @@ def measured_line(probe: dict) -> str:
     speeds = ", ".join(f"{names[p]} " + " / ".join(shown(pad, w) for pad, w in by_pad.items())
                        for p, by_pad in probe["cases"].items())
     when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
+    batch = f"{key['local_batch']}" + (", the probe's largest" if key["local_batch"] == PROBE_BATCH else "")
     return (f"auto: --precision {probe['choice']} --pad-channels {probe['pad_channels']} (LeNet-5's step at batch "
-            f"{key['local_batch']}, {key['threads']} thread(s), samples/s: {speeds}; bf16 taken only "
+            f"{batch}, {key['threads']} thread(s), samples/s: {speeds}; bf16 taken only "
             f"{BF16_MARGIN:.2f}x faster; {when}; --precision and --pad-channels force them)")
 
 
