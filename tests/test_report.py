@@ -52,7 +52,7 @@ def test_report_from_real_runs(runs, tmp_path):
     path = report.main(["--runs", str(runs), "--out", str(tmp_path / "report")])
     text = path.read_text()
     summary = json.loads((runs / "lenet-short" / "record.json").read_text())
-    assert f"{100 * summary['test_acc']:.2f}%" in text
+    assert f"{100 * summary['test_acc']:.2f}%" in text and "activation **relu**, 1 epoch, batch 512" in text
     check = json.loads((runs / "gelu" / "check.json").read_text())  # the verification table, one row per check
     for r in check["rows"]:
         assert f"| {r['impl']} | {r['approximate']} | {r['dtype']} | {r['forward_max_abs_err']:.2e} |" in text
