@@ -51,9 +51,13 @@ def choose(cfg, n_threads: int, makers, matmul_peaks) -> dict:
 
 
 def probe_flops(cfg) -> float:
-    """Forward and backward FLOPs of the probe's step: 6 x its parameters x a micro-batch's tokens."""
-    blocks = 12 * cfg.n_embd ** 2 * min(cfg.n_layer, PROBE_LAYERS)
-    return 6 * (blocks + cfg.vocab_size * cfg.n_embd) * cfg.micro_batch_size * positions(cfg)
+    """Forward and backward FLOPs of the probe's step: 6 x its parameters and 12 x layers x width x positions (the
+    attention's scores and their use, as accounting.flops_per_token counts them) for each of a micro-batch's tokens.
+    Without the attention a long sequence passed for a small step: 1 x 20,000 positions of `tiny` as 14 GFLOP, whose
+    2 blocks' attention adds 614."""
+    layers, tokens = min(cfg.n_layer, PROBE_LAYERS), cfg.micro_batch_size * positions(cfg)
+    weights = 6 * (12 * cfg.n_embd ** 2 * layers + cfg.vocab_size * cfg.n_embd)
+    return (weights + 12 * layers * cfg.n_embd * positions(cfg)) * tokens
 
 
 def by_matmul_rates(float32: tuple, best_bf16: tuple) -> dict:
