@@ -834,14 +834,16 @@ def check_resume(saved: dict, cfg: Config) -> None:
     with (its checkpoint keeps the schedule it started with)."""
     if cfg.dataset == saved.get("dataset") and cfg.num_samples > saved.get("num_samples", 0):
         saved["num_samples"] = cfg.num_samples  # compared as equal: every dataset's first samples are the same
-    was, now = saved_config(saved).layout.world, cfg.layout.world
+    ran = saved_config(saved)
+    was, now = ran.layout.world, cfg.layout.world
     if now == was:
         return
-    if cfg.layout.sharded_states:
-        raise ResumeError(f"cannot resume run {cfg.run_name}: its {cfg.strategy} checkpoint is sharded over "
+    if ran.layout.sharded_states:  # the checkpoint's own strategy: a resume under another is refused besides
+        raise ResumeError(f"cannot resume run {cfg.run_name}: its {ran.strategy} checkpoint is sharded over "
                           f"{was} processes and this run has {now}. Fix: resume with the same --devices/--num-nodes, "
-                          "or export it as one state dict (strategies.export_checkpoint, see README).")
-    raise ResumeError(f"cannot resume run {cfg.run_name}: it ran on {was} processes and "
+                          "or export it as one state dict (strategies.export_checkpoint, docs/gpt.md).")
+    processes = f"{was} process{'es' if was != 1 else ''}"
+    raise ResumeError(f"cannot resume run {cfg.run_name}: it ran on {processes} and "
                       f"this run has {now}, which changes the global batch (micro-batch x accumulation x "
                       f"data-parallel size). Fix: resume with as many processes (--devices x --num-nodes), or start a "
                       f"new run with another --run-name")

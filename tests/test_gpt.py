@@ -456,6 +456,11 @@ def test_zero_checkpoint_on_other_world_size_is_refused(two_process, tmp_path):
     proc = run_in_process("fabric_gpt.py", *EXACT, "--strategy", "ddp", *TWO_PROCESS["ddp"], "--out-dir", out,
                           "--run-name", name, "--resume", "auto", check=False)
     assert proc.returncode == 1 and "ran on 2 processes and this run has 1" in proc.stderr.strip().splitlines()[-1]
+    # refused on both processes, having agreed: one line, not one per rank
+    proc = run_script("fabric_gpt.py", *EXACT, "--strategy", "ddp", "--devices", "2", *TWO_PROCESS["ddp"],
+                      "--out-dir", out, "--run-name", name, "--resume", "auto", "--lr", "1e-3", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "other settings (lr: checkpoint" in errors[0], proc.stderr
 
 
 # ----------------------------------------------------------------------------- memory plan

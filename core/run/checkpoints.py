@@ -34,7 +34,14 @@ def room_needed(planned_bytes: float) -> float:
 
 
 class ResumeError(RuntimeError):
-    """A checkpoint that cannot be used, with the reason and the fix."""
+    """A checkpoint that cannot be used, with the reason and the fix. `every_rank`: every rank of the run raised it,
+    having agreed (any_rank), so rank 0 alone says it (exits)."""
+
+    every_rank = False
+
+    def agreed(self) -> "ResumeError":
+        self.every_rank = True
+        return self
 
 
 def read_record(run_dir) -> dict | None:
@@ -228,7 +235,7 @@ class Checkpoints:
             except (OSError, ValueError) as e:
                 why = f"config.json unreadable ({e})"
             if why is None:
-                check_config(saved)
+                self._agreed_settings(fabric, check_config, saved)
                 why = damaged_files(path)
             if not self._agreed_ok(fabric, path, why, resume):
                 continue
@@ -241,6 +248,21 @@ class Checkpoints:
             return path
         return None
 
+    @staticmethod
+    def _agreed_settings(fabric, check_config, saved: dict) -> None:
+        """check_config(saved) on every rank, and every rank stops if one refused: each read the same file, so
+        all normally refuse alike and rank 0 says it once (two processes printed the same refusal twice)."""
+        try:
+            check_config(saved)
+            refused = None
+        except ResumeError as e:
+            refused = e
+        some, accepted = any_rank(fabric, refused is not None, refused is None)
+        if refused is not None:
+            raise refused.agreed() if not accepted else refused
+        if some:  # another rank read other settings: its own line says which
+            raise ResumeError("another process of this run refused the checkpoint's settings (its message is above)")
+
     def _agreed_ok(self, fabric, path: Path, why: str | None, resume: str) -> bool:
         (bad,) = any_rank(fabric, why is not None)
         if not bad:
@@ -248,7 +270,7 @@ class Checkpoints:
         why = why or "another process could not read its part"
         if resume != "auto":
             raise ResumeError(f"checkpoint {path} cannot be loaded: {why}. Fix: resume from another checkpoint "
-                              f"(--resume auto picks the newest good one) or start a new run.")
+                              f"(--resume auto picks the newest good one) or start a new run.").agreed()
         fabric.print(f"warning: skipping checkpoint {path}: {why}", file=sys.stderr)
         return False
 

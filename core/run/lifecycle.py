@@ -86,6 +86,9 @@ def exits(*errors):
         AGREED_END.set()  # the other ranks end with this one: their exits are no news to the rank watch
         sys.exit(f"error: {e}" if global_rank() == 0 else 1)
     except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
+        if getattr(e, "every_rank", False):  # every rank stops on it, having agreed: rank 0 says so, once
+            AGREED_END.set()
+            sys.exit(f"error: {e}" if global_rank() == 0 else 1)
         sys.exit(f"error: {e}")
     except RuntimeError as e:  # a collective whose peer died
         if not any(s in str(e) for s in LOST_PEER):
