@@ -109,6 +109,7 @@ def test_search_ranks_what_fits_fastest_first(capsys):
 @pytest.mark.parametrize("args,words", [
     (["--cluster", "h100-sxm", "--strategy", "tp", "--devices", "8", "--num-nodes", "2"], "use --strategy fsdp_tp"),
     (["--cluster", "h100-sxm", "--devices", "16"], "use --devices 8 --num-nodes 2"),
+    (["--cluster", "h100-sxm", "--devices", "16", "--num-nodes", "2"], "use --devices 8 --num-nodes 4"),  # per node
     (["--cluster", "h100-sxm-eth", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/nvme"], "no NVMe"),
     (["--search", "--cluster", "h100-sxm", "--n-layer", "400", "--n-embd", "8192", "--n-head", "64"],
      "fits nowhere on 1 x NVIDIA H100 SXM5 80GB"),

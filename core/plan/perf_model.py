@@ -543,9 +543,10 @@ def present_gpu_cluster() -> str | None:
 
 def check_plannable(cfg, cluster: Cluster) -> None:
     """Refuse what the cluster cannot run, with the flag and the fix."""
-    if cfg.devices > cluster.devices_per_node:
-        raise PlanError(f"--devices {cfg.devices}: a {cluster.name} node has {cluster.devices_per_node} devices; "
-                        f"use --devices {cluster.devices_per_node} --num-nodes {-(-cfg.devices // cluster.devices_per_node)}")
+    if cfg.devices > cluster.devices_per_node:  # --devices is per node: the same devices in all, in whole nodes
+        nodes = -(-cfg.devices * cfg.num_nodes // cluster.devices_per_node)
+        raise PlanError(f"--devices {cfg.devices} (a node's): a {cluster.name} node has {cluster.devices_per_node} "
+                        f"devices; use --devices {cluster.devices_per_node} --num-nodes {nodes}")
     if cfg.layout.tp_size > cfg.devices:
         raise PlanError(f"tensor parallel over {cfg.layout.tp_size} devices is larger than a node's {cfg.devices}: its "
                         "all-reduces in every block need the node's NVLink; use --strategy fsdp_tp --tp-size "
