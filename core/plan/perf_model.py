@@ -491,17 +491,7 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0, framework
         compute = flops["busiest"] / rate
         bubble = (p - 1) * flops["per_micro_batch"] / rate if lay.pipeline else 0.0
     comm = comm_table(cfg)
-    by_overlap = {"none": 0.0, "backward": 0.0, "forward": 0.0}
-    for r in comm:
-        r["time_s"] = transfer_time(r, cluster)
-        by_overlap[r["overlap"]] += r["time_s"]
-    comm_s = sum(by_overlap.values())
-    if cluster.overlap:  # gradient reductions hide behind backward (2/3 of compute), gathers behind the rest
-        hidden_bwd = min(by_overlap["backward"], 2 / 3 * compute)
-        hidden_fwd = min(by_overlap["forward"], compute - hidden_bwd)
-        exposed = comm_s - hidden_bwd - hidden_fwd
-    else:
-        exposed = comm_s
+    comm_s, exposed = exposed_comm(comm, compute, cluster)
     offload, offload_parts = offload_time(cfg, cluster, n_params)
     step = compute + bubble + exposed + offload
     measured = (measured_step(cfg, cluster, n_params, cluster.probe == "measure", exposed, offload) if cluster.probe
@@ -528,6 +518,21 @@ def time_plan(cfg, cluster: Cluster, n_params: int, tokens: float = 0, framework
     if tokens:
         out.update(tokens=tokens, train_days=tokens / tokens_s / 86400, device_hours=tokens / tokens_s / 3600 * world)
     return out
+
+
+def exposed_comm(comm: list[dict], compute: float, cluster: Cluster) -> tuple[float, float]:
+    """(seconds of every transfer of the step, the seconds of them the compute does not hide); each row of `comm`
+    gets its own time_s."""
+    by_overlap = {"none": 0.0, "backward": 0.0, "forward": 0.0}
+    for r in comm:
+        r["time_s"] = transfer_time(r, cluster)
+        by_overlap[r["overlap"]] += r["time_s"]
+    comm_s = sum(by_overlap.values())
+    if not cluster.overlap:
+        return comm_s, comm_s
+    hidden_bwd = min(by_overlap["backward"], 2 / 3 * compute)  # gradient reductions hide behind backward (2/3 of
+    hidden_fwd = min(by_overlap["forward"], compute - hidden_bwd)  # compute), gathers behind the rest
+    return comm_s, comm_s - hidden_bwd - hidden_fwd
 
 
 # ----------------------------------------------------------------------------- plans and the search
