@@ -113,7 +113,8 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
         rep.note(f"`{run}/record.json` is missing or unreadable. Re-run with `make lenet RUN={run.name}`.")
         return
     cfg = s["config"]
-    rep.add(f"Run `{run.name}`: activation **{cfg['activation']}**, {s['epochs']} epoch{'s' if s['epochs'] != 1 else ''}, batch {cfg['batch_size']}, "
+    epochs = f"{s['epochs']} epoch{'s' if s['epochs'] != 1 else ''}"
+    rep.add(f"Run `{run.name}`: activation **{cfg['activation']}**, {epochs}, batch {cfg['batch_size']}, "
             f"{cfg['optimizer']} lr {cfg['lr']} ({cfg['schedule']}), precision {cfg['precision']}, "
             f"{s['world_size']} process(es) on {s['device']}.", "",
             f"**Test accuracy: {100 * s['test_acc']:.2f}%** (test loss {s['test_loss']:.4f}), "

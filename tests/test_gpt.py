@@ -1186,7 +1186,8 @@ def test_auto_precision_is_bf16_on_gpus_and_float32_without_bf16_instructions(mo
     # a long sequence's step is its attention: 1 x 20,000 positions of tiny is not timed step by step (minutes)
     long = gpt.resolve(gpt.Config(model="tiny", accelerator="cpu", seq_len=20000, micro_batch_size=1))
     assert cpu_precision.choose(long, 1, never, lambda: ((1e11, "float32 matmul"), (1e11, "float32 matmul")))
-    assert cpu_precision.probe_flops(gpt.resolve(gpt.Config(model="tiny", accelerator="cpu"))) < cpu_precision.STEP_BUDGET
+    tiny = gpt.resolve(gpt.Config(model="tiny", accelerator="cpu"))
+    assert cpu_precision.probe_flops(tiny) < cpu_precision.STEP_BUDGET
     monkeypatch.undo()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the caps hide bf16 instructions (hardware.native_bf16)
     cfg = gpt.resolve(gpt.Config(model="tiny", accelerator="cpu"))

@@ -60,8 +60,8 @@ def conv1_channels(cfg) -> int:
 
 def lenet_probe_key(cfg) -> dict:
     """What LeNet-5's step speed depends on: the CPU, the libraries, the threads a rank gets, the local batch (up to
-    PROBE_BATCH, the batch it is timed at) and the memory layout, and what is timed: the precisions and paddings left open. A change of any of them measures
-    again, as does a new version of the probe."""
+    PROBE_BATCH, the batch it is timed at) and the memory layout, and what is timed: the precisions and paddings left
+    open. A change of any of them measures again, as does a new version of the probe."""
     precisions = MEASURED if cfg.precision == "auto" else (cfg.precision,)
     pads = PADS if cfg.pad_channels == "auto" else (cfg.pad_channels,)
     return {"probe": PROBE_VERSION, "cpu": cpu_name(), "units": cpu_units(), "caps": isa_caps(), "torch": torch.__version__,
