@@ -35,7 +35,7 @@ GPT_FLAGS = $(FABRIC_FLAGS) $(call flag,MODEL,--model) $(call flag,STEPS,--steps
 	$(if $(filter 1 yes true,$(SEARCH)),--search) $(if $(filter 1 yes true,$(COUNT_COMMS)),--count-comms) $(TEXT_FLAGS) $(ARGS)
 TEXT_FLAGS = $(call flag,DATASET,--dataset) $(call flag,TEXT,--text) $(call flag,TOKENIZER,--tokenizer) $(call flag,VOCAB,--vocab-size) \
 	$(call flag,DATA_DIR,--data-dir) $(call flag,EVAL_EVERY,--eval-every) $(call flag,EVAL_BATCHES,--eval-batches)
-SAMPLE_FLAGS = $(if $(PROMPT),--prompt '$(PROMPT)') $(call flag,NEW_TOKENS,--max-new-tokens) $(call flag,TEMPERATURE,--temperature) \
+SAMPLE_FLAGS = $(if $(PROMPT),--prompt '$(subst ','\'',$(value PROMPT))') $(call flag,NEW_TOKENS,--max-new-tokens) $(call flag,TEMPERATURE,--temperature) \
 	$(call flag,TOP_K,--top-k) $(call flag,SEED,--seed)
 
 .DEFAULT_GOAL := help

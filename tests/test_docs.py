@@ -75,3 +75,18 @@ def test_every_target_writes_and_reads_the_one_runs_folder():
         assert out.returncode == 0 and (f"--out-dir {folder} " in command or f"--runs {folder} " in command
                                         or f"--logdir {folder} " in command or f"{folder}/r " in command
                                         or f"--out {folder}/gelu " in command), (target, command)
+
+
+def test_a_prompt_reaches_the_sampler_as_typed():
+    """`make sample PROMPT="..."` quotes the prompt for the shell: an apostrophe (Shakespeare's "'tis") ended the quote
+    and the shell refused the command."""
+    import os
+    import shlex
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
+    for prompt in ["ROMEO:", "'Tis the east, and Juliet's the sun", 'a "quoted" word; $(not run) `nor this`']:
+        out = subprocess.run(["make", "--no-print-directory", "-n", "sample", "RUN=r", f"PROMPT={prompt}"], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=60)
+        words = shlex.split(out.stdout.strip().splitlines()[-1])
+        assert out.returncode == 0 and words[words.index("--prompt") + 1] == prompt, out.stdout
