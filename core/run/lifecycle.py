@@ -82,12 +82,10 @@ def exits(*errors):
         if (noted := full_disk.noted()) is not None:  # met after the last point where the ranks met (the summary)
             raise DiskFull(full_disk.message(noted))
         end_process_group()
-    except (folder_lock.FolderBusy, DiskFull) as e:  # every rank of the run stops on it: rank 0 says so, once
-        AGREED_END.set()  # the other ranks end with this one: their exits are no news to the rank watch
-        sys.exit(f"error: {e}" if global_rank() == 0 else 1)
-    except (ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
-        if getattr(e, "every_rank", False):  # every rank stops on it, having agreed: rank 0 says so, once
-            AGREED_END.set()
+    except (folder_lock.FolderBusy, DiskFull, ConfigError, ResumeError, NonFiniteLoss, *errors) as e:
+        # a busy folder, a full disk and an agreed refusal stop every rank of the run: rank 0 says so, once
+        if isinstance(e, (folder_lock.FolderBusy, DiskFull)) or getattr(e, "every_rank", False):
+            AGREED_END.set()  # the other ranks end with this one: their exits are no news to the rank watch
             sys.exit(f"error: {e}" if global_rank() == 0 else 1)
         sys.exit(f"error: {e}")
     except RuntimeError as e:  # a collective whose peer died
