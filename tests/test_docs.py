@@ -61,20 +61,23 @@ def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_pat
 
 def test_every_target_writes_and_reads_the_one_runs_folder():
     """`make lenet RUNS=x` then `make report RUNS=x` (or tb, sample, export): the targets that write runs and those
-    that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said)."""
+    that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said), as one word even
+    with a space or an apostrophe in it (a laptop's "My Drive": it split into several arguments)."""
     import os
+    import shlex
     import subprocess
 
-    folder = "/tmp/runs-folder-of-this-test"
+    folder = "/tmp/Juliet's runs folder"
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
     for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "gelu-check", "bench-gelu", "lab",
                    "gpu-check", "report", "tb", "sample", "export"]:
         out = subprocess.run(["make", "--no-print-directory", "-n", target, f"RUNS={folder}", "RUN=r"], cwd=REPO,
                              env=env, capture_output=True, text=True, timeout=60)
-        command = out.stdout.strip().splitlines()[-1] + " "
-        assert out.returncode == 0 and (f"--out-dir {folder} " in command or f"--runs {folder} " in command
-                                        or f"--logdir {folder} " in command or f"{folder}/r " in command
-                                        or f"--out {folder}/gelu " in command), (target, command)
+        words = shlex.split(out.stdout.strip().splitlines()[-1])
+        pairs = set(zip(words, words[1:]))
+        assert out.returncode == 0 and ({("--out-dir", folder), ("--runs", folder), ("--logdir", folder),
+                                         ("--out", f"{folder}/gelu")} & pairs or words[-1] == f"{folder}/r"), \
+            (target, words)
 
 
 def test_a_prompt_reaches_the_sampler_as_typed():
@@ -90,3 +93,28 @@ def test_a_prompt_reaches_the_sampler_as_typed():
                              env=env, capture_output=True, text=True, timeout=60)
         words = shlex.split(out.stdout.strip().splitlines()[-1])
         assert out.returncode == 0 and words[words.index("--prompt") + 1] == prompt, out.stdout
+
+
+def test_paths_with_spaces_and_apostrophes_reach_the_scripts_as_one_word():
+    """A Makefile variable reaches its script as the one word typed: a path with a space or an apostrophe split into
+    several arguments or ended the shell's quote. gpt-command prints the command quoted, as gpt.sbatch hands it to
+    srun through `eval`."""
+    import os
+    import shlex
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    runs, text, nvme = "my runs", "Juliet's lines.txt", "/tmp/a b; `x`"
+
+    def words(*args):
+        out = subprocess.run(["make", "--no-print-directory", *args, f"RUNS={runs}"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return shlex.split(out.stdout.strip().splitlines()[-1])
+
+    gpt = words("-n", "gpt", f"TEXT={text}", f"NVME={nvme}", "RUN=a b")
+    assert [gpt[gpt.index(f) + 1] for f in ("--out-dir", "--text", "--nvme-path", "--run-name")] == \
+        [runs, text, nvme, "a b"]
+    assert words("-s", "gpt-command", f"TEXT={text}", "ARGS=--seed 3")[1:] == \
+        ["fabric_gpt.py", "--out-dir", runs, "--text", text, "--seed", "3"]
+    assert words("-n", "export", "RUN=r 1")[-1] == f"{runs}/r 1"

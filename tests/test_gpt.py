@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -765,13 +766,14 @@ def test_the_slurm_batch_script_survives_its_signal_and_trains_on_two_nodes_as_t
     rank 0 requeues the job once, the tasks exit 0. The job run again (requeued) continues from that checkpoint, and
     the run equals the 2-process run step by step."""
     script = (REPO / "gpt.sbatch").read_text()
+    out = tmp_path / "Juliet's runs"  # a space and an apostrophe: the command passes through make and a shell
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
     assert directives["nodes"] == "1" and directives["ntasks-per-node"] == directives["gpus-per-node"] == "2"
-    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
-    assert srun == "srun --kill-on-bad-exit=1 $command"  # the Python processes themselves: no make to die on USR1
+    (srun,) = [line for line in script.splitlines() if "srun " in line and not line.startswith("#")]
+    assert srun == 'eval "srun --kill-on-bad-exit=1 $command"'  # the Python processes themselves: no make to die on USR1
     assert 'gpt-command NODES="$SLURM_JOB_NUM_NODES" DEVICES="$SLURM_NTASKS_PER_NODE"' in script
     settings = {"MODEL": "tiny", "STRATEGY": "ddp", "PRECISION": "32-true", "STEPS": "0", "ACCELERATOR": "cpu",
-                "RUN": "slurm", "ARGS": " ".join(map(str, [*EXACT, *TWO_PROCESS["ddp"], "--out-dir", tmp_path]))}
+                "RUN": "slurm", "ARGS": shlex.join(map(str, [*EXACT, *TWO_PROCESS["ddp"], "--out-dir", out]))}
     env = sbatch_job(tmp_path, 2, settings)
     proc = subprocess.Popen(["bash", "gpt.sbatch"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -784,7 +786,7 @@ def test_the_slurm_batch_script_survives_its_signal_and_trains_on_two_nodes_as_t
     assert re.search(r"^\[rank: 0\] SIGUSR1 received: stopping", tasks[0], re.M), tasks[0][-2000:]
     assert re.search(r"^(\[rank: 1\] )?SIGUSR1 received: stopping", tasks[1], re.M), tasks[1][-2000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 31337\n"  # once, by rank 0
-    assert list((tmp_path / "slurm" / "checkpoints").glob("step-*")) and not (tmp_path / "slurm" / "record.json").exists()
+    assert list((out / "slurm" / "checkpoints").glob("step-*")) and not (out / "slurm" / "record.json").exists()
     again = subprocess.run(["bash", "gpt.sbatch"], cwd=REPO, env={**env, "MASTER_PORT": str(free_port())},
                            capture_output=True, text=True, timeout=600)
     tasks = [(tmp_path / f"task{i}.log").read_text() for i in range(2)]
@@ -793,9 +795,9 @@ def test_the_slurm_batch_script_survives_its_signal_and_trains_on_two_nodes_as_t
     for rank in range(2):
         assert re.search(rf"^rank {rank}/2: node {rank}, local rank 0, .*SLURMEnvironment \(launcher: SLURM \(srun\)\)",
                          tasks[rank], re.M), tasks[rank][-2000:]
-    got = record(tmp_path, "slurm")
+    got = record(out, "slurm")
     assert got["world_size"] == 2 and got["config"]["num_nodes"] == 2 and got["env"]["launcher"] == "SLURM (srun)"
-    assert losses(tmp_path, "slurm") == pytest.approx(losses(*two_process("ddp")), rel=1e-6)
+    assert losses(out, "slurm") == pytest.approx(losses(*two_process("ddp")), rel=1e-6)
 
 
 @pytest.mark.slow
