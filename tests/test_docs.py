@@ -1,12 +1,26 @@
 """The README and docs/ as a newcomer reads them: every relative link resolves (file and #anchor), and every
 `make` target the README names exists in the Makefile."""
 
+import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 from conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def make_command(*args: str) -> list[str]:
+    """The last command `make -n <args>` (or `make -s gpt-command`) would run, split as the shell splits it; run with
+    none of the variables of a `make test` above it (make exports its command line's, ARGS among them)."""
+    ours = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS", "RUNS", "RUN", "TEST_WORKERS")
+    env = {k: v for k, v in os.environ.items() if k not in ours}
+    out = subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return shlex.split(out.stdout.strip().splitlines()[-1])
 
 
 def anchors(page: Path) -> set[str]:
@@ -46,9 +60,6 @@ def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_pat
     """One pytest worker more than the cores this process may use (`nproc`, whatever OMP_NUM_THREADS says, which
     `nproc` obeys: the suite's workers set it), at most one per 2.5 GiB of available memory, at least one: a machine
     of many cores and little memory would otherwise start more than it holds."""
-    import os
-    import subprocess
-
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TEST_WORKERS")}
     env["OMP_NUM_THREADS"] = "1"
     cores, meminfo = len(os.sched_getaffinity(0)), tmp_path / "meminfo"
@@ -63,58 +74,31 @@ def test_every_target_writes_and_reads_the_one_runs_folder():
     """`make lenet RUNS=x` then `make report RUNS=x` (or tb, sample, export): the targets that write runs and those
     that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said), as one word even
     with a space or an apostrophe in it (a laptop's "My Drive": it split into several arguments)."""
-    import os
-    import shlex
-    import subprocess
-
     folder = "/tmp/Juliet's runs folder"
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
     for target in ["lenet", "gpt", "plan", "bench-lenet", "bench-gpt", "bench-text", "gelu-check", "bench-gelu", "lab",
                    "gpu-check", "report", "tb", "sample", "export"]:
-        out = subprocess.run(["make", "--no-print-directory", "-n", target, f"RUNS={folder}", "RUN=r"], cwd=REPO,
-                             env=env, capture_output=True, text=True, timeout=60)
-        words = shlex.split(out.stdout.strip().splitlines()[-1])
+        words = make_command("-n", target, f"RUNS={folder}", "RUN=r")
         pairs = set(zip(words, words[1:]))
-        assert out.returncode == 0 and ({("--out-dir", folder), ("--runs", folder), ("--logdir", folder),
-                                         ("--out", f"{folder}/gelu")} & pairs or words[-1] == f"{folder}/r"), \
-            (target, words)
+        assert {("--out-dir", folder), ("--runs", folder), ("--logdir", folder), ("--out", f"{folder}/gelu")} & pairs \
+            or words[-1] == f"{folder}/r", (target, words)
 
 
 def test_a_prompt_reaches_the_sampler_as_typed():
     """`make sample PROMPT="..."` quotes the prompt for the shell: an apostrophe (Shakespeare's "'tis") ended the quote
     and the shell refused the command."""
-    import os
-    import shlex
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
     for prompt in ["ROMEO:", "'Tis the east, and Juliet's the sun", 'a "quoted" word; $(not run) `nor this`']:
-        out = subprocess.run(["make", "--no-print-directory", "-n", "sample", "RUN=r", f"PROMPT={prompt}"], cwd=REPO,
-                             env=env, capture_output=True, text=True, timeout=60)
-        words = shlex.split(out.stdout.strip().splitlines()[-1])
-        assert out.returncode == 0 and words[words.index("--prompt") + 1] == prompt, out.stdout
+        words = make_command("-n", "sample", "RUN=r", f"PROMPT={prompt}")
+        assert words[words.index("--prompt") + 1] == prompt, words
 
 
 def test_paths_with_spaces_and_apostrophes_reach_the_scripts_as_one_word():
     """A Makefile variable reaches its script as the one word typed: a path with a space or an apostrophe split into
     several arguments or ended the shell's quote. gpt-command prints the command quoted, as gpt.sbatch hands it to
     srun through `eval`."""
-    import os
-    import shlex
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     runs, text, nvme = "my runs", "Juliet's lines.txt", "/tmp/a b; `x`"
-
-    def words(*args):
-        out = subprocess.run(["make", "--no-print-directory", *args, f"RUNS={runs}"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return shlex.split(out.stdout.strip().splitlines()[-1])
-
-    gpt = words("-n", "gpt", f"TEXT={text}", f"NVME={nvme}", "RUN=a b")
+    gpt = make_command("-n", "gpt", f"RUNS={runs}", f"TEXT={text}", f"NVME={nvme}", "RUN=a b")
     assert [gpt[gpt.index(f) + 1] for f in ("--out-dir", "--text", "--nvme-path", "--run-name")] == \
         [runs, text, nvme, "a b"]
-    assert words("-s", "gpt-command", f"TEXT={text}", "ARGS=--seed 3")[1:] == \
+    assert make_command("-s", "gpt-command", f"RUNS={runs}", f"TEXT={text}", "ARGS=--seed 3")[1:] == \
         ["fabric_gpt.py", "--out-dir", runs, "--text", text, "--seed", "3"]
-    assert words("-n", "export", "RUN=r 1")[-1] == f"{runs}/r 1"
+    assert make_command("-n", "export", f"RUNS={runs}", "RUN=r 1")[-1] == f"{runs}/r 1"
