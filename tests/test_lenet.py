@@ -90,6 +90,11 @@ def test_tensorboard_images_show_the_real_channels_only(tmp_path):
     # 4 images x 6 channels of 14x14 in rows of 6 (a 1-pixel border): 6 * 15 + 1 wide, 4 * 15 + 1 high
     assert (conv1.width, conv1.height) == (91, 61)
     assert (conv2.width, conv2.height) == (16 * 6 + 1, 4 * 6 + 1)  # 4 x 16 channels of 5x5
+    for dtype in (torch.bfloat16, torch.float64):  # --precision bf16-true, 64-true: the weights in that dtype
+        writer = SummaryWriter(tmp_path / str(dtype))
+        log_images(writer, LeNet5(Config()).to(dtype), result, (x, y), step=1)
+        writer.close()
+        assert "features/conv1" in EventAccumulator(str(tmp_path / str(dtype))).Reload().Tags()["images"]
 
 
 def test_epoch_order_matches_distributed_sampler():
