@@ -19,8 +19,8 @@ TEST_WORKERS ?= $(shell workers=$$(( $$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIM
 	[ -n "$$memory" ] && [ "$$memory" -lt "$$workers" ] && workers=$$memory; echo $$(( workers > 1 ? workers : 1 )))
 
 # RUNS: the folder every run, benchmark and gpu-check writes into, and report, tb, sample and export read.
-# quote <value>: one shell word, as typed (a path with a space, an apostrophe, a $); flag <NAME> <--flag>: "--flag
-# 'value'" when the variable NAME is set
+# quote <value>: one shell word (a path with a space or an apostrophe; PROMPT, taken by $(value), keeps a $ too);
+# flag <NAME> <--flag>: "--flag 'value'" when the variable NAME is set
 quote = '$(subst ','\'',$(1))'
 flag = $(if $($(1)),$(2) $(call quote,$($(1))))
 FABRIC_FLAGS = --out-dir $(call quote,$(RUNS)) $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) $(call flag,NODE_TIMEOUT,--node-timeout) \
