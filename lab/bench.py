@@ -375,14 +375,24 @@ NANOGPT_RECIPE = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--n-h
 
 
 DEFAULTS = "fabric_gpt.py (defaults)"  # the recipe with nothing else: --precision auto and every other automatic choice
+NANOGPT = "nanoGPT (nanogpt_reference.py)"
+
+
+def round_order(names: list, round_: int) -> list:
+    """The order the cases run in a round: each round starts one case later, so that over as many rounds as cases
+    each case runs once in each place. In one order every round, the defaults always ran right after nanoGPT's loop
+    and measured 0.88x nanoGPT's tokens/s where the same settings named, two runs later, measured 1.09x (2026-11-29,
+    an AVX-512 BF16 Xeon); a case's place in the round is then part of its figure."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
 
 
 def bench_text(args) -> None:
     """nanoGPT's shakespeare_char CPU recipe trained by nanogpt_reference.py (nanoGPT's train.py as one plain loop)
     and by fabric_gpt.py in its default settings (issue 77: --precision auto's choice here), then eager and compiled
-    in float32 and under bf16 autocast, on the same prepared tokens; the cases alternate over --repeats rounds (a
-    shared machine's speed drifts) and the table gives the median tokens/s of each, and each one's validation loss on
-    the same 200 x 12 fixed validation windows."""
+    in float32 and under bf16 autocast, on the same prepared tokens; the cases alternate over --repeats rounds, each
+    round in another order (round_order; a shared machine's speed drifts), and the table gives the median tokens/s of
+    each, and each one's validation loss on the same 200 x 12 fixed validation windows."""
     from core.gpt import text_corpus
 
     out = Path(args.out_dir) / "bench-text"
@@ -399,16 +409,19 @@ def bench_text(args) -> None:
              "fabric_gpt.py --precision 32-true --compile": ("compiled", [*fp32, "--compile"]),
              "fabric_gpt.py --precision bf16-mixed": ("bf16", bf16),
              "fabric_gpt.py --precision bf16-mixed --compile": ("bf16-compiled", [*bf16, "--compile"])}
-    results: dict = {name: [] for name in ["nanoGPT (nanogpt_reference.py)", *cases]}
+    results: dict = {name: [] for name in [NANOGPT, *cases]}
     for round_ in progress(range(args.repeats), "text bench"):
-        folder = out / f"nanogpt-{round_}"
-        folder.mkdir(parents=True, exist_ok=True)
-        code, last = run("-m lab.nanogpt_reference", ["--data-dir", args.data_dir, "--out", folder / "record.json",
-                                                  "--max-iters", args.steps, "--eval-windows", args.eval_windows])
-        if code:
-            sys.exit(f"error: nanogpt_reference.py failed: {last}")
-        results["nanoGPT (nanogpt_reference.py)"].append(json.loads((folder / "record.json").read_text()))
-        for name, (prefix, flags) in cases.items():
+        for name in round_order(list(results), round_):
+            if name == NANOGPT:
+                folder = out / f"nanogpt-{round_}"
+                folder.mkdir(parents=True, exist_ok=True)
+                code, last = run("-m lab.nanogpt_reference", ["--data-dir", args.data_dir, "--out", folder / "record.json",
+                                                          "--max-iters", args.steps, "--eval-windows", args.eval_windows])
+                if code:
+                    sys.exit(f"error: nanogpt_reference.py failed: {last}")
+                results[name].append(json.loads((folder / "record.json").read_text()))
+                continue
+            prefix, flags = cases[name]
             run_name = f"{prefix}-{round_}"
             code, last = run_case(out / run_name, False, "fabric_gpt.py", [*flags, "--run-name", run_name])
             if code:
@@ -418,7 +431,7 @@ def bench_text(args) -> None:
                                   "attention": record.get("attention_kernel"),
                                   "precision": record["config"]["precision"]})
         print(f"round {round_ + 1}/{args.repeats} done", flush=True)
-    nano = [r["tokens_per_s"] for r in results["nanoGPT (nanogpt_reference.py)"]]  # round by round
+    nano = [r["tokens_per_s"] for r in results[NANOGPT]]  # round by round
     base = statistics.median(nano)
     lines = [f"CPU: {cpu_label()}", "", f"nanoGPT's shakespeare_char CPU recipe, {args.steps} steps, median of "
              f"{args.repeats} alternating round(s); validation loss on the same {args.eval_windows:,} fixed windows of 64 "

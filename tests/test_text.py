@@ -429,6 +429,16 @@ def test_beta2_reaches_adamw_and_a_run_saved_before_it_existed_resumes(tmp_path)
 
 
 @pytest.mark.slow
+def test_each_round_of_the_text_bench_runs_its_cases_in_another_order():
+    """Over as many rounds as cases, each case runs once in each place of a round (in one order every round the
+    defaults always followed nanoGPT's loop, and their figure carried that place)."""
+    names = [bench.NANOGPT, *"abcde"]
+    orders = [bench.round_order(names, r) for r in range(len(names))]
+    assert orders[0] == names and all(sorted(order) == sorted(names) for order in orders)
+    assert all(len({order[place] for order in orders}) == len(names) for place in range(len(names)))
+    assert bench.round_order(names, len(names)) == names
+
+
 def test_the_nanogpt_bench_races_the_same_recipe_on_the_same_windows(tmp_path, text_dir):
     """`bench.py text` cut to a few steps: nanoGPT's loop and fabric_gpt.py (in its default settings, and in each
     precision eager and compiled) train nanoGPT's recipe on the same prepared tokens and are scored on the same fixed
