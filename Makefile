@@ -19,10 +19,10 @@ TEST_WORKERS ?= $(shell workers=$$(( $$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIM
 	[ -n "$$memory" ] && [ "$$memory" -lt "$$workers" ] && workers=$$memory; echo $$(( workers > 1 ? workers : 1 )))
 
 # RUNS: the folder every run, benchmark and gpu-check writes into, and report, tb, sample and export read.
-# quote <value>: one shell word (a path with a space or an apostrophe; PROMPT, taken by $(value), keeps a $ too);
-# flag <NAME> <--flag>: "--flag 'value'" when the variable NAME is set
+# quote <value>: one shell word (a path with a space or an apostrophe); flag <NAME> <--flag>: "--flag 'value'" when
+# the variable NAME is set, its value as typed (make would expand a $ in it)
 quote = '$(subst ','\'',$(1))'
-flag = $(if $($(1)),$(2) $(call quote,$($(1))))
+flag = $(if $(value $(1)),$(2) $(call quote,$(value $(1))))
 FABRIC_FLAGS = --out-dir $(call quote,$(RUNS)) $(call flag,ACCELERATOR,--accelerator) $(call flag,DEVICES,--devices) $(call flag,NODES,--num-nodes) $(call flag,NODE_TIMEOUT,--node-timeout) \
 	$(call flag,STRATEGY,--strategy) $(call flag,PRECISION,--precision) $(call flag,LR,--lr) \
 	$(call flag,SEED,--seed) $(call flag,RUN,--run-name) $(call flag,RESUME,--resume) $(call flag,REQUEUE_SIGNAL,--requeue-signal) \

@@ -95,7 +95,7 @@ def test_paths_with_spaces_and_apostrophes_reach_the_scripts_as_one_word():
     """A Makefile variable reaches its script as the one word typed: a path with a space or an apostrophe split into
     several arguments or ended the shell's quote. gpt-command prints the command quoted, as gpt.sbatch hands it to
     srun through `eval`."""
-    runs, text, nvme = "my runs", "Juliet's lines.txt", "/tmp/a b; `x`"
+    runs, text, nvme = "my runs", "Juliet's lines.txt", "/tmp/a b; `x` $HOME"
     gpt = make_command("-n", "gpt", f"RUNS={runs}", f"TEXT={text}", f"NVME={nvme}", "RUN=a b")
     assert [gpt[gpt.index(f) + 1] for f in ("--out-dir", "--text", "--nvme-path", "--run-name")] == \
         [runs, text, nvme, "a b"]
