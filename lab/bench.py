@@ -412,24 +412,7 @@ def bench_text(args) -> None:
     results: dict = {name: [] for name in [NANOGPT, *cases]}
     for round_ in progress(range(args.repeats), "text bench"):
         for name in round_order(list(results), round_):
-            if name == NANOGPT:
-                folder = out / f"nanogpt-{round_}"
-                folder.mkdir(parents=True, exist_ok=True)
-                code, last = run("-m lab.nanogpt_reference", ["--data-dir", args.data_dir, "--out", folder / "record.json",
-                                                          "--max-iters", args.steps, "--eval-windows", args.eval_windows])
-                if code:
-                    sys.exit(f"error: nanogpt_reference.py failed: {last}")
-                results[name].append(json.loads((folder / "record.json").read_text()))
-                continue
-            prefix, flags = cases[name]
-            run_name = f"{prefix}-{round_}"
-            code, last = run_case(out / run_name, False, "fabric_gpt.py", [*flags, "--run-name", run_name])
-            if code:
-                sys.exit(f"error: {name} failed: {last}")
-            record = read_record(out / run_name)
-            results[name].append({"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"],
-                                  "attention": record.get("attention_kernel"),
-                                  "precision": record["config"]["precision"]})
+            results[name].append(text_case(args, out, round_, name, cases.get(name)))
         print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     nano = [r["tokens_per_s"] for r in results[NANOGPT]]  # round by round
     base = statistics.median(nano)
@@ -449,6 +432,27 @@ def bench_text(args) -> None:
                      f"({min(ratios):.2f}-{max(ratios):.2f}) |")
     write_results(out, lines, {"cpu": cpu_label(), "steps": args.steps, "eval_windows": args.eval_windows,
                                "recipe": NANOGPT_RECIPE, "results": results})
+
+
+def text_case(args, out: Path, round_: int, name: str, case: tuple | None) -> dict:
+    """One run of the text race: nanoGPT's loop (case None), or fabric_gpt.py with case = (folder prefix, flags);
+    its record, or the bench stops with the run's last line."""
+    if case is None:
+        folder = out / f"nanogpt-{round_}"
+        folder.mkdir(parents=True, exist_ok=True)
+        code, last = run("-m lab.nanogpt_reference", ["--data-dir", args.data_dir, "--out", folder / "record.json",
+                                                  "--max-iters", args.steps, "--eval-windows", args.eval_windows])
+        if code:
+            sys.exit(f"error: nanogpt_reference.py failed: {last}")
+        return json.loads((folder / "record.json").read_text())
+    prefix, flags = case
+    run_name = f"{prefix}-{round_}"
+    code, last = run_case(out / run_name, False, "fabric_gpt.py", [*flags, "--run-name", run_name])
+    if code:
+        sys.exit(f"error: {name} failed: {last}")
+    record = read_record(out / run_name)
+    return {"val_loss": record["val_loss"], "tokens_per_s": record["tokens_per_s"],
+            "attention": record.get("attention_kernel"), "precision": record["config"]["precision"]}
 
 
 def build_parser() -> argparse.ArgumentParser:
