@@ -130,7 +130,7 @@ def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
     plt.close(fig)
 
     module = getattr(model, "module", model)  # unwrapped: so the digits are cast here, as Fabric casts a batch
-    device, dtype = next(module.parameters()).device, next(module.parameters()).dtype
+    weights = next(module.parameters())
     x = test_tensors[0]
     with torch.no_grad():
         if result["misclassified"]:  # found by evaluate(): no second pass over the test set
@@ -142,7 +142,7 @@ def log_images(writer, model, result: dict, test_tensors, step: int) -> None:
             keep = module.features[i - 1].out_channels
             hooks.append(module.features[i].register_forward_hook(
                 lambda m, a, out, n=name, k=keep: maps.__setitem__(n, out[:, :k])))
-        module(x[:4].to(device, dtype))  # bf16-true and 64-true hold their weights in that dtype
+        module(x[:4].to(weights.device, weights.dtype))  # bf16-true and 64-true hold their weights in that dtype
         for h in hooks:
             h.remove()
         for name, fmap in maps.items():
