@@ -51,7 +51,7 @@ def load_model(cfg: Config):
     if getattr(saved, "nvme_path", ""):
         raise ConfigError(f"{checkpoints[-1]} is an NVMe-offload checkpoint, whose weights DeepSpeed cannot read back; "
                           "train with --export and load runs/<run>/hf instead")
-    model = GPT2LMHeadModel(gpt_model.gpt2_config(saved))
+    model = gpt_model.without_biases(GPT2LMHeadModel(gpt_model.gpt2_config(saved)), saved)  # --no-bias: as trained
     model.load_state_dict(strategies.export_checkpoint(checkpoints[-1]), strict=False)  # lm_head: tied to wte
     model.tie_weights()
     model.eval()

@@ -218,6 +218,66 @@ def test_tensor_parallel_conversion_is_exact():
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
+def test_without_biases_the_model_is_gpt2_with_zero_biases_and_exports_as_gpt2(tmp_path):
+    """--no-bias (nanoGPT's bias=False): no bias in any linear layer or LayerNorm, counted so by the model, the plan's
+    closed forms and its tensor list; at initialisation GPT-2's biases are zero, so the loss and every shared gradient
+    equal GPT-2's; tensor parallelism's Linear has no bias either; and the exported folder is GPT-2's (its biases
+    zero), which transformers loads as it is and which computes the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from core.gpt import hf_export
+    from core.plan import published
+
+    cfg, biased = gpt.resolve(gpt.Config(model="tiny", bias=False)), gpt.resolve(gpt.Config(model="tiny"))
+    model, reference = gpt.build_model(cfg), gpt.build_model(biased)
+    names = [n for n, _ in model.named_parameters()]
+    assert not [n for n in names if n.endswith(".bias")] and set(names) < {n for n, _ in reference.named_parameters()}
+    n = sum(p.numel() for p in model.parameters())
+    assert n == gpt.count_parameters(cfg)[0] == published.parameters(cfg) == accounting.memory_plan(cfg, n)["n_params"]
+    assert gpt.count_parameters(biased)[0] - n == cfg.n_layer * 11 * cfg.n_embd + cfg.n_embd  # 9h + 2h a block, ln_f's
+    tokens = gpt.make_dataset(cfg).tensors[0][:4]
+    losses = [gpt_model.window_loss(m, tokens) for m in (model, reference)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for loss in losses:
+        loss.backward()
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    conv, x = model.transformer.h[0].mlp.c_fc, torch.randn(3, 5, cfg.n_embd)
+    linear = strategies.conv1d_to_linear(conv)
+    assert linear.bias is None and torch.equal(linear(x), conv(x))
+    folder = hf_export.write_hf_folder(model.state_dict(), cfg, tmp_path / "run" / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert all(loaded.get_parameter(name).abs().max() == 0 for name, _ in reference.named_parameters()
+               if name.endswith(".bias"))
+    with torch.no_grad():
+        ours = model.eval()(input_ids=tokens[:, :-1]).logits
+        torch.testing.assert_close(loaded(input_ids=tokens[:, :-1]).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp", "deepspeed_stage_3"])
+def test_without_biases_tensor_parallel_and_a_partitioned_build_equal_one_process(tmp_path_factory, name):
+    """--no-bias where the model is taken apart: tensor parallelism's Linear layers (and their q,k,v order) and
+    ZeRO-3's partitioned build; every step's loss and gradient norm, and the exported weights, equal one process's;
+    the traffic counted in a step and the bytes each rank holds equal the plan's."""
+    make = lambda out: run_gpt(out, "single", "--micro-batch-size", "4", "--no-bias", base=EXACT)  # noqa: E731
+    single = shared_dir(tmp_path_factory, "gpt-single-no-bias", make)
+    out = tmp_path_factory.mktemp(f"no-bias-{name}")
+    run_gpt(out, name, "--strategy", name, "--devices", "2", *TWO_PROCESS[name], "--no-bias", "--count-comms", base=EXACT)
+    ref, got = record(single, "single"), record(out, name)
+    assert got["config"]["bias"] is False and got["n_params"] == ref["n_params"]
+    assert [l for _, l in got["losses"]] == pytest.approx([l for _, l in ref["losses"]], rel=1e-4)
+    assert [g for _, g in got["grad_norms"]] == pytest.approx([g for _, g in ref["grad_norms"]], rel=1e-4)
+    w_ref, w_got = exported(single / "single"), exported(out / name)
+    assert set(w_got) == set(w_ref) and not w_got["transformer.h.0.attn.c_attn.bias"].any()
+    for key in w_ref:
+        torch.testing.assert_close(w_got[key], w_ref[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert comm_rows(got["comm_counted"]) == comm_rows(got["comm_planned"])
+    for key in ("params", "master"):
+        assert got["held_bytes"][key] == pytest.approx(got["held_bytes_planned"][key], rel=0.02, abs=1), key
+
+
 def test_gradient_checkpointing_is_on_and_leaves_loss_and_gradients_unchanged():
     cfg = gpt.resolve(gpt.Config(model="tiny"))
     tokens = gpt.make_dataset(cfg).tensors[0][:4]

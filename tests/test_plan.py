@@ -4,6 +4,7 @@ the counted traffic of real 2-process runs."""
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -359,9 +360,10 @@ def test_an_eager_block_is_counted_not_guessed():
 def test_published_parameters_and_figures_read_as_their_sources_define_them():
     """The closed-form count equals the model's; Megatron-LM's 1.7B row (137 TFLOP/s per GPU on 32 GPUs, batch 512 x
     2048, equation 3 counting the recomputed forward) is 3.53 s a step."""
-    for kw in ({}, {"pad_vocab_to": 64, "n_layer": 3}):
+    for kw in ({}, {"pad_vocab_to": 64, "n_layer": 3}, {"bias": False}):
         cfg = cfg_of(**kw)
         assert published.parameters(cfg) == gpt.count_parameters(cfg)[0]
+        assert sum(math.prod(shape) for _, shape in perf_model.param_tensors(cfg)) == gpt.count_parameters(cfg)[0]
     row = next(r for r in published.rows() if r["name"].startswith("Megatron-LM Table 1 1.7B"))
     h, l, s, V = 2304, 24, 2048, 51200
     assert published.measured_step(row) == pytest.approx(512 * s * (96 * l * h * h + 16 * s * l * h + 6 * h * V) / (137e12 * 32))

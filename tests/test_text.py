@@ -450,9 +450,9 @@ def test_the_nanogpt_bench_races_the_same_recipe_on_the_same_windows(tmp_path, t
     recipe, config = reference["recipe"], ours["config"]
     # nanoGPT's block of 64 reads 65 tokens (x and y one apart): fabric_gpt.py's window of --seq-len 65
     assert (recipe["learning_rate"], recipe["beta2"], recipe["warmup_iters"], recipe["block_size"] + 1, recipe["batch_size"],
-            recipe["n_layer"], recipe["n_head"], recipe["n_embd"]) == (
+            recipe["n_layer"], recipe["n_head"], recipe["n_embd"], recipe["bias"], recipe["dropout"]) == (
         config["lr"], config["beta2"], config["warmup_steps"], config["seq_len"], config["micro_batch_size"],
-        config["n_layer"], config["n_head"], config["n_embd"])
+        config["n_layer"], config["n_head"], config["n_embd"], config["bias"], config["dropout"])
     # scored on nanoGPT's 200 x 12 windows by default (a few here: bf16 without bf16 instructions is emulated)
     assert config["eval_batches"] * config["micro_batch_size"] == reference["eval_windows"] == bench_json["eval_windows"]
     assert bench.build_parser().parse_args(["text"]).eval_windows == 2400 and config["seed"] + 1 == 1235

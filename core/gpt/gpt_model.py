@@ -90,7 +90,7 @@ def count_parameters(cfg) -> tuple[int, str]:
     from transformers import GPT2LMHeadModel
 
     with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(cfg))
+        model = without_biases(GPT2LMHeadModel(gpt2_config(cfg)), cfg)
     return sum(p.numel() for p in model.parameters()), model.config._attn_implementation  # tied wte/lm_head once
 
 
@@ -111,7 +111,7 @@ def build_model(cfg, fabric=None):
     # of CPU for GPT-2 small's width with 4 blocks, the embedding most of it)
     model_class = chunked_head_model() if getattr(cfg, "chunked_loss", False) else GPT2LMHeadModel
     with fabric.init_module(empty_init=True) if partitioned else nullcontext(), no_init_weights():
-        model = model_class(gpt2_config(cfg))
+        model = without_biases(model_class(gpt2_config(cfg)), cfg)
         model.tie_weights()  # lm_head is the token embedding: the skipped initialisation ties them
     model.loss_type = "ForCausalLM"  # the loss transformers falls back to for GPT2LMHeadModel, named: no warning per rank
     model.lm_head.classes = cfg.vocab_size  # the chunked loss reads it too
@@ -125,6 +125,46 @@ def build_model(cfg, fabric=None):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+def without_biases(model, cfg):
+    """--no-bias (nanoGPT's bias=False): the blocks' four linear layers and every LayerNorm without their biases, the
+    rest GPT-2 as it is. GPT-2 initialises its biases to zero, so the two start as the same function. HF's Conv1D
+    computes addmm(bias, x, W), which copies the bias into every row of the output before the matmul adds to it: 7-9%
+    of a CPU step of nanoGPT's recipe (docs/text.md). A bias-free Conv1D keeps its [in, out] weight and its name, so
+    strategies, checkpoints and exports read it as before; the exported folder is GPT-2's, with zero biases
+    (with_zero_biases)."""
+    if getattr(cfg, "bias", True):
+        return model
+    from transformers.pytorch_utils import Conv1D
+
+    for module in model.modules():
+        if isinstance(module, Conv1D):
+            module.bias = None
+            module.__class__ = conv1d_without_bias()
+        elif isinstance(module, torch.nn.LayerNorm):
+            module.bias = None
+    return model
+
+
+@functools.cache
+def conv1d_without_bias():
+    """HF's Conv1D computing x @ W: one matmul, no bias copied into its output first."""
+    from transformers.pytorch_utils import Conv1D
+
+    class Conv1DWithoutBias(Conv1D):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.matmul(x, self.weight)
+
+    return Conv1DWithoutBias
+
+
+def with_zero_biases(state_dict: dict, model) -> dict:
+    """A --no-bias run's state dict completed with the zero biases of `model` (a GPT2LMHeadModel of the run's shape,
+    on any device), so that it loads as GPT-2's: the same function, in the format every GPT-2 tool reads."""
+    zeros = {name: torch.zeros(p.shape, dtype=next(iter(state_dict.values())).dtype)
+             for name, p in model.named_parameters() if name.endswith(".bias") and name not in state_dict}
+    return {**state_dict, **zeros}
 
 
 def mask_padding(head, inputs, logits: torch.Tensor) -> torch.Tensor:

@@ -359,10 +359,13 @@ def apply_fsdp(model: nn.Module, dp_mesh, gather_bf16: bool = False) -> None:
 def conv1d_to_linear(conv) -> nn.Linear:
     """HF GPT-2's Conv1D holds its weight as [in, out] and computes x @ W + b; nn.Linear holds [out, in].
     The same numbers, transposed, so PyTorch's ColwiseParallel/RowwiseParallel apply unchanged."""
-    linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1], device=conv.weight.device, dtype=conv.weight.dtype)
+    biased = conv.bias is not None  # --no-bias: none
+    linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1], bias=biased, device=conv.weight.device,
+                       dtype=conv.weight.dtype)
     with torch.no_grad():
         linear.weight.copy_(conv.weight.t())
-        linear.bias.copy_(conv.bias)
+        if biased:
+            linear.bias.copy_(conv.bias)
     return linear
 
 
@@ -386,7 +389,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, n_head: int) -> None:
         order = qkv_rows_by_rank(n_embd, n_head, tp)
         with torch.no_grad():
             attn.c_attn.weight.copy_(attn.c_attn.weight[order])
-            attn.c_attn.bias.copy_(attn.c_attn.bias[order])
+            if attn.c_attn.bias is not None:
+                attn.c_attn.bias.copy_(attn.c_attn.bias[order])
         attn.c_proj, mlp.c_fc, mlp.c_proj = (conv1d_to_linear(m) for m in (attn.c_proj, mlp.c_fc, mlp.c_proj))
         # Each rank now computes n_head / tp heads: HF's attention splits c_attn's output by split_size.
         attn.split_size, attn.num_heads, attn.embed_dim = n_embd // tp, n_head // tp, n_embd // tp
@@ -404,7 +408,9 @@ def undo_tensor_parallel(state_dict: dict, n_layer: int, n_embd: int, n_head: in
             if w not in out:
                 continue
             if name == "attn.c_attn":
-                out[w], out[b] = out[w][inverse], out[b][inverse]
+                out[w] = out[w][inverse]
+                if b in out:  # --no-bias: none
+                    out[b] = out[b][inverse]
             out[w] = out[w].t().contiguous()
     return out
 

@@ -163,12 +163,26 @@ def weight_bytes(cfg) -> int:
     return 2 if (half and cfg.layout.deepspeed) or cfg.precision == "bf16-true" else 4
 
 
-def block_params(h: int) -> int:
-    return 12 * h * h + 13 * h
+def block_params(cfg) -> int:
+    """A block's parameters: its four matrices (12h²), its two LayerNorms' weights (2h) and, as GPT-2 has them, their
+    biases (2h) and the matrices' (9h); --no-bias has neither."""
+    h = cfg.n_embd
+    return 12 * h * h + (13 * h if getattr(cfg, "bias", True) else 2 * h)
+
+
+def tp_split_params(cfg) -> int:
+    """What tensor parallelism splits t ways in a block: the matrices and the column-parallel biases (c_attn's, c_fc's);
+    the LayerNorms and the row-parallel biases are replicated (Korthikanti et al. 2022, no sequence parallelism)."""
+    h = cfg.n_embd
+    return 12 * h * h + (7 * h if getattr(cfg, "bias", True) else 0)
+
+
+def final_norm_params(cfg) -> int:
+    return cfg.n_embd * (2 if getattr(cfg, "bias", True) else 1)
 
 
 def largest_layer_params(cfg) -> int:
-    return max(model_vocab(cfg) * cfg.n_embd, block_params(cfg.n_embd))
+    return max(model_vocab(cfg) * cfg.n_embd, block_params(cfg))
 
 
 def model_states(cfg, P: int) -> dict:
@@ -194,20 +208,17 @@ def model_states(cfg, P: int) -> dict:
         return states
     # Fabric's strategies keep fp32 weights under autocast; bf16-true holds everything in 2 bytes
     t, p = lay.tp_size, lay.pp_size
-    blocks = L * block_params(h)
+    blocks, split, ln_f = L * block_params(cfg), tp_split_params(cfg), final_norm_params(cfg)
     embeddings = V * h + S * h
     if lay.tensor_parallel and lay.pipeline:  # Megatron's 3-D layout (plans only): a stage's blocks split t ways,
         # the vocabulary-parallel embedding on the first and last stages
         layers = -(-L // p)
-        held = layers * ((12 * h * h + 7 * h) / t + 6 * h) + (V * h + S * h) / t
-    elif lay.tensor_parallel:
-        # matrices and the column-parallel biases are split t ways; LayerNorms, the row-parallel biases
-        # and the embeddings are replicated (Korthikanti et al. 2022, no sequence parallelism)
-        split = L * (12 * h * h + 3 * h + 4 * h)
-        held = split / t + (blocks - split) + embeddings + 2 * h
+        held = layers * (split / t + block_params(cfg) - split) + (V * h + S * h) / t
+    elif lay.tensor_parallel:  # tp_split_params split t ways; the rest of each block and the embeddings replicated
+        held = L * split / t + (blocks - L * split) + embeddings + ln_f
     elif lay.pipeline:
         layers = -(-L // p)  # the first stages take the extra layer
-        held = layers * block_params(h) + max(embeddings, V * h + 2 * h)  # first stage: wte+wpe; last: ln_f+head
+        held = layers * block_params(cfg) + max(embeddings, V * h + ln_f)  # first stage: wte+wpe; last: ln_f+head
     else:
         held = P
     shard = lay.dp_size if lay.fsdp else 1
@@ -216,7 +227,7 @@ def model_states(cfg, P: int) -> dict:
         states["ddp_buckets"] = per * P  # DDP all-reduces from buckets that copy every gradient
     if lay.fsdp:
         # one block's weights, then its gradients (under bf16 gathering: bf16 weights, float32 gradients to reduce)
-        states["gathered_layer"] = (2 + 4 if fsdp_gathers_bf16(cfg) else 2 * per) * block_params(h) / t
+        states["gathered_layer"] = (2 + 4 if fsdp_gathers_bf16(cfg) else 2 * per) * block_params(cfg) / t
     return states
 
 
@@ -383,7 +394,7 @@ def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> floa
     def resident(numels, nbytes):
         return sum(n * nbytes for n in numels if n * nbytes < MMAP_THRESHOLD)
 
-    biases_and_norms = block_params(h) - sum(matrices)
+    biases_and_norms = block_params(cfg) - sum(matrices)
     grads = resident((V * h, s * h), word) + L * (resident(matrices, word) + biases_and_norms * word)
     weight_copies = L * resident(matrices, 2) + resident((V * h,), 2) if copies else 0
     return grads + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)  # c_fc's output

@@ -196,7 +196,8 @@ def param_tensors(cfg) -> list[tuple[str, tuple]]:
             ("attn.c_proj.weight", (h, h)), ("attn.c_proj.bias", (h,)), ("ln_2.weight", (h,)), ("ln_2.bias", (h,)),
             ("mlp.c_fc.weight", (h, 4 * h)), ("mlp.c_fc.bias", (4 * h,)), ("mlp.c_proj.weight", (4 * h, h)),
             ("mlp.c_proj.bias", (h,)))]
-    return out + [("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
+    out += [("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
+    return out if getattr(cfg, "bias", True) else [(name, shape) for name, shape in out if not name.endswith(".bias")]
 
 
 def numel(shape) -> int:

@@ -52,11 +52,13 @@ def row_config(template, row: dict):
 
 def parameters(cfg) -> int:
     """GPT-2's parameters (the head tied to the embedding), counted in closed form rather than by building the
-    model: l(12h² + 13h) + Vh + sh + 2h (tests/test_plan.py holds it to gpt_model.count_parameters)."""
+    model: l(12h² + 13h) + Vh + sh + 2h, without biases (--no-bias) l(12h² + 2h) + Vh + sh + h (tests/test_plan.py
+    holds it to gpt_model.count_parameters)."""
     from core.gpt.gpt_model import model_vocab
+    from core.plan.accounting import block_params, final_norm_params
 
     h = cfg.n_embd
-    return cfg.n_layer * (12 * h * h + 13 * h) + model_vocab(cfg) * h + cfg.seq_len * h + 2 * h
+    return cfg.n_layer * block_params(cfg) + model_vocab(cfg) * h + cfg.seq_len * h + final_norm_params(cfg)
 
 
 def measured_step(row: dict) -> float:
