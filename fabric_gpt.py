@@ -473,10 +473,10 @@ def train(run: Run, model, optimizer, loader, take_step, flops: dict, evaluate_n
     timer, watch, probes = StepTimer(fabric.device), LossWatch(fabric, cfg.precision), gpt_figures.StepProbes(cfg, stop_at)
     timed_time, timed_steps, step_time = 0.0, 0, 0.0
     while progress.step < stop_at:
+        timer.start()  # the whole iteration but its check points, as nanoGPT times its loop: the batch's fetch included
         for group in optimizer.param_groups:
             group["lr"] = lr_at(progress.step, cfg, total_steps)
         micro_batches = [next(batches)[0] for _ in range(cfg.grad_accum)]
-        timer.start()
         with probes.around(progress.step):
             loss, norm, skipped = take_step(run, model, optimizer, micro_batches)
         timer.stop(timed=probes.timed)
