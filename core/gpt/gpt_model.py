@@ -127,6 +127,11 @@ def build_model(cfg, fabric=None):
     return model
 
 
+def has_biases(cfg) -> bool:
+    """GPT-2's biases (the default), or none (--no-bias); a config saved before the flag existed had them."""
+    return getattr(cfg, "bias", True)
+
+
 def without_biases(model, cfg):
     """--no-bias (nanoGPT's bias=False): the blocks' four linear layers and every LayerNorm without their biases, the
     rest GPT-2 as it is. GPT-2 initialises its biases to zero, so the two start as the same function. HF's Conv1D
@@ -134,7 +139,7 @@ def without_biases(model, cfg):
     of a CPU step of nanoGPT's recipe (docs/text.md). A bias-free Conv1D keeps its [in, out] weight and its name, so
     strategies, checkpoints and exports read it as before; the exported folder is GPT-2's, with zero biases
     (with_zero_biases)."""
-    if getattr(cfg, "bias", True):
+    if has_biases(cfg):
         return model
     from transformers.pytorch_utils import Conv1D
 
@@ -162,8 +167,8 @@ def conv1d_without_bias():
 def with_zero_biases(state_dict: dict, model) -> dict:
     """A --no-bias run's state dict completed with the zero biases of `model` (a GPT2LMHeadModel of the run's shape,
     on any device), so that it loads as GPT-2's: the same function, in the format every GPT-2 tool reads."""
-    zeros = {name: torch.zeros(p.shape, dtype=next(iter(state_dict.values())).dtype)
-             for name, p in model.named_parameters() if name.endswith(".bias") and name not in state_dict}
+    zeros = {name: torch.zeros(p.shape) for name, p in model.named_parameters()
+             if name.endswith(".bias") and name not in state_dict}
     return {**state_dict, **zeros}
 
 

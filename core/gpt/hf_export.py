@@ -55,7 +55,7 @@ def write_hf_folder(state_dict: dict, cfg, folder, dtype: torch.dtype = torch.fl
         model = GPT2LMHeadModel(config)
     padded = lambda k, v: k in ("transformer.wte.weight", "lm_head.weight") and v.shape[0] > cfg.vocab_size  # noqa: E731
     state_dict = {k: v[:cfg.vocab_size].clone() if padded(k, v) else v for k, v in state_dict.items()}
-    if not getattr(cfg, "bias", True):  # --no-bias: GPT-2's zero biases, so that GPT-2's loaders read it as they are
+    if not gpt_model.has_biases(cfg):  # --no-bias: GPT-2's zero biases, so that GPT-2's loaders read it as they are
         state_dict = gpt_model.with_zero_biases(state_dict, model)
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)

@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from core.gpt.chunked_loss import CHUNK
-from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, model_vocab, positions
+from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, has_biases, model_vocab, positions
 from core.gpt.strategies import deepspeed_on_cpu, fsdp_gathers_bf16
 from core.run import measurements
 from core.run.flags import ConfigError
@@ -167,18 +167,18 @@ def block_params(cfg) -> int:
     """A block's parameters: its four matrices (12h²), its two LayerNorms' weights (2h) and, as GPT-2 has them, their
     biases (2h) and the matrices' (9h); --no-bias has neither."""
     h = cfg.n_embd
-    return 12 * h * h + (13 * h if getattr(cfg, "bias", True) else 2 * h)
+    return 12 * h * h + (13 * h if has_biases(cfg) else 2 * h)
 
 
 def tp_split_params(cfg) -> int:
     """What tensor parallelism splits t ways in a block: the matrices and the column-parallel biases (c_attn's, c_fc's);
     the LayerNorms and the row-parallel biases are replicated (Korthikanti et al. 2022, no sequence parallelism)."""
     h = cfg.n_embd
-    return 12 * h * h + (7 * h if getattr(cfg, "bias", True) else 0)
+    return 12 * h * h + (7 * h if has_biases(cfg) else 0)
 
 
 def final_norm_params(cfg) -> int:
-    return cfg.n_embd * (2 if getattr(cfg, "bias", True) else 1)
+    return cfg.n_embd * (2 if has_biases(cfg) else 1)
 
 
 def largest_layer_params(cfg) -> int:

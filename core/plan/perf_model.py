@@ -197,7 +197,7 @@ def param_tensors(cfg) -> list[tuple[str, tuple]]:
             ("mlp.c_fc.weight", (h, 4 * h)), ("mlp.c_fc.bias", (4 * h,)), ("mlp.c_proj.weight", (4 * h, h)),
             ("mlp.c_proj.bias", (h,)))]
     out += [("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
-    return out if getattr(cfg, "bias", True) else [(name, shape) for name, shape in out if not name.endswith(".bias")]
+    return out if gpt_model.has_biases(cfg) else [(name, shape) for name, shape in out if not name.endswith(".bias")]
 
 
 def numel(shape) -> int:
