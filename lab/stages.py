@@ -214,6 +214,12 @@ REFERENCES = {
         "data": 7, "text": 1, "lenet-relu": 69, "gelu-check": 1, "lenet-gelu_torch": 82, "lenet-gelu_py": 110,
         "lenet-gelu_cpp": 83, "bench-gelu": 29, "bench-lenet": 48, "gpt-text": 99, "bench-gpt": 292, "gpu-check": 0,
         "report": 3}),
+    "Intel(R) Xeon(R) Processor, 2 cores (AMX-BF16, AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # the same model with
+        # AMX; 2026-11-29 21:09, a fresh clone at 91923cc, 693 s in all (it said 8 min: the AVX-512 BF16 EPYC's times
+        # scaled by the matmul rate, 1.06x); both scripts chose bf16 autocast
+        "data": 7, "text": 1, "lenet-relu": 59, "gelu-check": 1, "lenet-gelu_torch": 73, "lenet-gelu_py": 106,
+        "lenet-gelu_cpp": 65, "bench-gelu": 22, "bench-lenet": 33, "gpt-text": 52, "bench-gpt": 269, "gpu-check": 0,
+        "report": 2}),
 }
 TIMINGS = "lab/timings.json"  # under --runs
 
