@@ -61,7 +61,7 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
                             since=1)
     dropout: float = opt(0.0, "dropout; 0 so that strategies can be compared step for step", min=0, below=1)
     bias: bool = opt(True, "biases in the linear layers and LayerNorms, as GPT-2 (no: as nanoGPT's bias=False, "
-                     "7-9%% faster on a CPU; exported as zeros)", since=True)
+                     "faster on a CPU; exported as zeros)", since=True)
     dataset: str = opt("", "random tokens (as the course; the default), ramp (x[t+1] = x[t] + 1) or text (windows of "
                        "a corpus; the default with --text or --tokenizer)", ("", "random", "ramp", "text"),
                        group="data: a fixed set of samples, the same for every strategy")
