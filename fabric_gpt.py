@@ -264,9 +264,10 @@ def resolve_text(cfg: Config) -> None:
     """--dataset text: prepare the corpus (fetched and tokenized once), then take the model's vocabulary from the
     tokenizer (or --vocab-size, when it holds every token) and the sample count from --steps."""
     if cfg.dataset != "text":
-        if cfg.text or cfg.tokenizer:
-            given = f"--text {cfg.text}" if cfg.text else f"--tokenizer {cfg.tokenizer}"
-            raise ConfigError(f"{given} is read by --dataset text only, not --dataset {cfg.dataset}; drop one of them")
+        given = [f"--{name.replace('_', '-')} {value}" for name, value in
+                 (("text", cfg.text), ("tokenizer", cfg.tokenizer), ("eval_every", cfg.eval_every)) if value]
+        if given:  # random tokens have no validation split to evaluate
+            raise ConfigError(f"{given[0]} is read by --dataset text only, not --dataset {cfg.dataset}; drop one of them")
         return
     prepared = prepared_text(cfg)
     if cfg.vocab_size and cfg.vocab_size < prepared.vocab_size:

@@ -643,6 +643,7 @@ def test_a_pipeline_takes_a_micro_batch_per_stage_unless_told():
                                                  "holds at 4 samples a step; give --num-samples 400"),
     (["--num-samples", "2000000000", "--accelerator", "cpu"], "GiB of token ids, more than a quarter"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
+    (["--eval-every", "5"], "--eval-every 5 is read by --dataset text only, not --dataset random"),
     (["--precision", "16-mixed", "--accelerator", "cpu", "--strategy", "deepspeed_stage_2"], "needs a GPU"),
     (["--strategy", "tp", "--devices", "2", "--n-head", "3", "--n-embd", "66"],
      "--tp-size 2 (all 2 processes, as --tp-size is not given) must divide the 3 attention heads"),
