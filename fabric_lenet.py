@@ -369,6 +369,10 @@ def validate(cfg: Config) -> dict | None:
                           "--no-channels-last computes in NCHW, where it would pad nothing; drop one of them")
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
+    if cfg.gelu_approximate != "none" and not cfg.activation.startswith("gelu"):
+        raise ConfigError(f"--gelu-approximate {cfg.gelu_approximate} is the form of the gelu_* activations and "
+                          f"--activation {cfg.activation} computes no GELU; add --activation gelu_torch (or gelu_py, "
+                          "gelu_cpp), or drop --gelu-approximate")
     if cfg.activation == "gelu_cpp":
         from gelu_ext import load_cpp
 

@@ -201,6 +201,7 @@ def test_gelu_cpp_activation_learns(mnist_dir, tmp_path):
     (["--precision", "16-mixed", "--accelerator", "cpu"], "needs a GPU"),
     (["--accelerator", "gpu"], "no CUDA GPU"),
     (["--num-workers", "2"], "--data loader only"),
+    (["--gelu-approximate", "tanh"], "--activation relu computes no GELU"),
     (["--compile-mode", "reduce-overhead"], "add --compile"),
     (["--pad-channels", "8", "--no-channels-last"], "where it would pad nothing; drop one of them"),
     (["--sync-check", "--accelerator", "cpu"], "needs a GPU"),
