@@ -544,6 +544,7 @@ def log_step(run: Run, step, stop_at, loss, norm, step_time, flops, skipped=Fals
 def validate(cfg: Config) -> None:
     """Refuse impossible settings before any model is built, each with the flag and the fix."""
     flags.check_config(cfg)  # each flag's own range, again for a config built in Python
+    check_plan_only_flags(cfg)
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
     check_sizes(cfg)
@@ -588,6 +589,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--precision 16-mixed with --strategy {cfg.strategy}: its loss scaling is not wired through "
                           "FSDP2/TP/PP here; use bf16-mixed")
     accounting.check_host_memory(cfg, on_gpu)
+
+
+PLAN_ONLY = ("cluster", "device_memory_gb", "tokens", "plan_framework", "plan_json")  # read by --plan/--search only
+
+
+def check_plan_only_flags(cfg: Config) -> None:
+    """A training run runs on the hardware it finds: --cluster or --device-memory-gb would size its default
+    micro-batch for other hardware, and the plan's other flags would be ignored."""
+    given = [(name, getattr(cfg, name)) for name in PLAN_ONLY if getattr(cfg, name)]
+    if given and not (cfg.plan or cfg.search):
+        name, value = given[0]
+        flag = f"--{name.replace('_', '-')} {f'{value:g}' if isinstance(value, float) else value}"
+        raise ConfigError(f"{flag} is read by --plan and --search only, and this is a training run; add --plan "
+                          "(or --search) to plan for it, or drop it")
 
 
 def check_samples(cfg: Config) -> None:
