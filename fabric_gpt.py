@@ -544,7 +544,7 @@ def log_step(run: Run, step, stop_at, loss, norm, step_time, flops, skipped=Fals
 def validate(cfg: Config) -> None:
     """Refuse impossible settings before any model is built, each with the flag and the fix."""
     flags.check_config(cfg)  # each flag's own range, again for a config built in Python
-    check_plan_only_flags(cfg)
+    check_flags_the_run_reads(cfg)
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be divisible by --n-head {cfg.n_head}")
     check_sizes(cfg)
@@ -594,15 +594,25 @@ def validate(cfg: Config) -> None:
 PLAN_ONLY = ("cluster", "device_memory_gb", "tokens", "plan_framework", "plan_json")  # read by --plan/--search only
 
 
-def check_plan_only_flags(cfg: Config) -> None:
-    """A training run runs on the hardware it finds: --cluster or --device-memory-gb would size its default
-    micro-batch for other hardware, and the plan's other flags would be ignored."""
+def check_flags_the_run_reads(cfg: Config) -> None:
+    """A flag given a value that this run would not read is refused rather than ignored. A training run runs on the
+    hardware it finds (--cluster or --device-memory-gb would size its default micro-batch for other hardware)."""
     given = [(name, getattr(cfg, name)) for name in PLAN_ONLY if getattr(cfg, name)]
     if given and not (cfg.plan or cfg.search):
         name, value = given[0]
         flag = f"--{name.replace('_', '-')} {f'{value:g}' if isinstance(value, float) else value}"
         raise ConfigError(f"{flag} is read by --plan and --search only, and this is a training run; add --plan "
                           "(or --search) to plan for it, or drop it")
+    default = {f.name: f.default for f in dataclasses.fields(Config)}
+    if cfg.export_dtype != default["export_dtype"] and not cfg.export:
+        raise ConfigError(f"--export-dtype {cfg.export_dtype} is the dtype of --export's folder; add --export, or "
+                          "drop it (make export RUN=<run> writes a finished run's folder)")
+    if cfg.loss_scale_power != default["loss_scale_power"] and cfg.precision not in ("16-mixed", "auto"):
+        raise ConfigError(f"--loss-scale-power {cfg.loss_scale_power} scales float16's loss and --precision "
+                          f"{cfg.precision} has no loss scaling; use --precision 16-mixed, or drop it")
+    if cfg.beta2 != default["beta2"] and cfg.optimizer != "adamw":
+        raise ConfigError(f"--beta2 {cfg.beta2:g} is AdamW's second-moment decay and --optimizer {cfg.optimizer} has "
+                          "none; use --optimizer adamw, or drop it")
 
 
 def check_samples(cfg: Config) -> None:
