@@ -267,7 +267,8 @@ def resolve_text(cfg: Config) -> None:
         given = [f"--{name.replace('_', '-')} {value}" for name, value in
                  (("text", cfg.text), ("tokenizer", cfg.tokenizer), ("eval_every", cfg.eval_every)) if value]
         if given:  # random tokens have no validation split to evaluate
-            raise ConfigError(f"{given[0]} is read by --dataset text only, not --dataset {cfg.dataset}; drop one of them")
+            raise ConfigError(f"{given[0]} is read by --dataset text only, not --dataset {cfg.dataset}; "
+                              "drop one of them")
         return
     prepared = prepared_text(cfg)
     if cfg.vocab_size and cfg.vocab_size < prepared.vocab_size:

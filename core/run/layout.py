@@ -125,7 +125,8 @@ def saved_config(config: dict) -> SimpleNamespace:
 
 
 def check_sizes(cfg) -> None:
-    """Refuse --tp-size, --pp-size and --pp-schedule that do not fit the strategy, the processes or the model, with the fix."""
+    """Refuse --tp-size, --pp-size and --pp-schedule that do not fit the strategy, the processes or the model, with
+    the fix."""
     L = cfg.layout
     if cfg.tp_size and not L.tensor_parallel:
         raise ConfigError(f"--tp-size applies to --strategy tp or fsdp_tp, not {cfg.strategy}; drop it or pick one of those")
