@@ -264,7 +264,7 @@ def resolve_text(cfg: Config) -> None:
     """--dataset text: prepare the corpus (fetched and tokenized once), then take the model's vocabulary from the
     tokenizer (or --vocab-size, when it holds every token) and the sample count from --steps."""
     if cfg.dataset != "text":
-        given = [f"--{name.replace('_', '-')} {value}" for name, value in
+        given = [f"{flags.flag_name(name)} {value}" for name, value in
                  (("text", cfg.text), ("tokenizer", cfg.tokenizer), ("eval_every", cfg.eval_every)) if value]
         if given:  # random tokens have no validation split to evaluate
             raise ConfigError(f"{given[0]} is read by --dataset text only, not --dataset {cfg.dataset}; "
@@ -601,7 +601,7 @@ def check_flags_the_run_reads(cfg: Config) -> None:
     given = [(name, getattr(cfg, name)) for name in PLAN_ONLY if getattr(cfg, name)]
     if given and not (cfg.plan or cfg.search):
         name, value = given[0]
-        flag = f"--{name.replace('_', '-')} {f'{value:g}' if isinstance(value, float) else value}"
+        flag = f"{flags.flag_name(name)} {f'{value:g}' if isinstance(value, float) else value}"
         raise ConfigError(f"{flag} is read by --plan and --search only, and this is a training run; add --plan "
                           "(or --search) to plan for it, or drop it")
     default = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -611,6 +611,9 @@ def check_flags_the_run_reads(cfg: Config) -> None:
     if cfg.loss_scale_power != default["loss_scale_power"] and cfg.precision not in ("16-mixed", "auto"):
         raise ConfigError(f"--loss-scale-power {cfg.loss_scale_power} scales float16's loss and --precision "
                           f"{cfg.precision} has no loss scaling; use --precision 16-mixed, or drop it")
+    if cfg.pp_schedule != default["pp_schedule"] and not cfg.layout.pipeline:
+        raise ConfigError(f"--pp-schedule {cfg.pp_schedule} applies to --strategy pp, not {cfg.strategy}; drop it or "
+                          "use --strategy pp")
     if cfg.beta2 != default["beta2"] and cfg.optimizer != "adamw":
         raise ConfigError(f"--beta2 {cfg.beta2:g} is AdamW's second-moment decay and --optimizer {cfg.optimizer} has "
                           "none; use --optimizer adamw, or drop it")

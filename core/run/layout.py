@@ -125,16 +125,12 @@ def saved_config(config: dict) -> SimpleNamespace:
 
 
 def check_sizes(cfg) -> None:
-    """Refuse --tp-size, --pp-size and --pp-schedule that do not fit the strategy, the processes or the model, with
-    the fix."""
+    """Refuse --tp-size and --pp-size that do not fit the strategy, the processes or the model, with the fix."""
     L = cfg.layout
     if cfg.tp_size and not L.tensor_parallel:
         raise ConfigError(f"--tp-size applies to --strategy tp or fsdp_tp, not {cfg.strategy}; drop it or pick one of those")
     if cfg.pp_size and not L.pipeline:
         raise ConfigError(f"--pp-size applies to --strategy pp, not {cfg.strategy}; drop it or use --strategy pp")
-    if cfg.pp_schedule != "1f1b" and not L.pipeline:
-        raise ConfigError(f"--pp-schedule {cfg.pp_schedule} applies to --strategy pp, not {cfg.strategy}; drop it or "
-                          "use --strategy pp")
     if L.tensor_parallel:
         t = L.tp_size
         given = f"--tp-size {t}" + ("" if cfg.tp_size else f" (all {t} processes, as --tp-size is not given)")
