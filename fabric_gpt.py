@@ -644,7 +644,11 @@ def parse_args(argv=None) -> Config:
     cfg = flags.parse_config(Config, argv, __doc__, prog="fabric_gpt.py")
     # under `fabric run`: its --devices and the rest where the command line left the defaults
     cfg = take_fabric_run_settings(cfg, sys.argv[1:] if argv is None else [str(a) for a in argv])
-    return resolve(cfg)
+    resolved = resolve(cfg)
+    if cfg.compile_scope != "auto" and not resolved.compile:  # resolve() names auto's scope: told apart only here
+        raise ConfigError(f"--compile-scope {cfg.compile_scope} is how --compile compiles, and this run is not "
+                          "compiled; add --compile, or drop it")
+    return resolved
 
 
 def main(argv=None) -> dict:

@@ -650,6 +650,8 @@ def test_a_pipeline_takes_a_micro_batch_per_stage_unless_told():
     (["--export-dtype", "float16"], "add --export"),
     (["--loss-scale-power", "10", "--precision", "32-true"], "--precision 32-true has no loss scaling"),
     (["--optimizer", "sgd", "--beta2", "0.99"], "--beta2 0.99 is AdamW's"),
+    (["--compile-scope", "blocks", "--accelerator", "cpu"], "--compile-scope blocks is how --compile compiles"),
+    (["--compile-scope", "model", "--no-compile"], "and this run is not compiled; add --compile"),
     (["--strategy", "ddp", "--pp-schedule", "gpipe"], "--pp-schedule gpipe applies to --strategy pp, not ddp"),
     (["--precision", "16-mixed", "--accelerator", "cpu", "--strategy", "deepspeed_stage_2"], "needs a GPU"),
     (["--strategy", "tp", "--devices", "2", "--n-head", "3", "--n-embd", "66"],
