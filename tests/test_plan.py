@@ -217,7 +217,10 @@ def test_a_cpu_plan_is_its_measured_parts_and_speaks_of_this_cpu(tmp_path):
     the minimal model run for real, the work of the shape, the optimizer sweep and the link's bytes add up to the
     step; more tokens per micro-batch is more work; MFU is a share of the matmul probe."""
     path = tmp_path / "plan.json"
-    args = ["--model", "tiny", "--strategy", "ddp", "--devices", "2", "--accelerator", "cpu", "--plan"]
+    # the precision named: auto would time float32 against bf16 on the tiny model, a choice a loaded machine can
+    # flip, and a bf16 plan's cached parts are not the float32 ones that this process reads again below
+    args = ["--model", "tiny", "--strategy", "ddp", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true",
+            "--plan"]
     proc = run_in_process("fabric_gpt.py", *args, "--plan-json", path)
     assert "time plan on this CPU" in proc.stdout and "A100" not in proc.stdout, proc.stdout
     plan = json.loads(path.read_text())["time"]
@@ -226,7 +229,7 @@ def test_a_cpu_plan_is_its_measured_parts_and_speaks_of_this_cpu(tmp_path):
     assert plan["step_time_s"] == pytest.approx(sum(parts[k] for k in ("fixed_s", "work_s", "optimizer_s", "link_s",
                                                                         "offload_s")))
     assert 0 < plan["mfu"] <= 1
-    cfg = gpt.resolve(gpt.Config(strategy="ddp", devices=2, accelerator="cpu"))
+    cfg = gpt.resolve(gpt.Config(strategy="ddp", devices=2, accelerator="cpu", precision="32-true"))
     cluster = perf_model.cluster_named("cpu", cfg.precision)  # cached now: nothing runs again
     n = gpt.count_parameters(cfg)[0]
     again = perf_model.time_plan(cfg, cluster, n)["measured_step"]
