@@ -53,7 +53,7 @@ help: ## list the targets
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
-SETUP := $(VENV)/.installed $(VENV)/.libaio
+SETUP := $(VENV)/.installed $(VENV)/.libaio $(VENV)/.clang
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -69,6 +69,17 @@ $(VENV)/.libaio: $(VENV)/.installed
 	  { apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1 || apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1t64; } && \
 	  for deb in *.deb; do dpkg-deb -x $$deb .; done; \
 	fi || echo "note: libaio was not fetched; --nvme-path is refused until libaio-dev is installed"
+	touch $@
+
+# DeepSpeed's NVMe op compiles its sources that include torch with clang where one is at hand, faster than GCC
+# (core/host/extension_compiler.py). Without the system's clang++, Debian's is unpacked into the venv as libaio is.
+$(VENV)/.clang: $(VENV)/.installed
+	if ! command -v clang++ >/dev/null && command -v apt-get >/dev/null; then \
+	  v=$$(apt-cache depends clang 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9][0-9]*\)$$/\1/p' | head -n 1); \
+	  rm -rf $(VENV)/clang && mkdir -p $(VENV)/clang && [ -n "$$v" ] && (cd $(VENV)/clang && \
+	  apt-get download -qq -o APT::Sandbox::User=root clang-$$v libclang-cpp$$v libllvm$$v libclang-common-$$v-dev \
+	    libomp-$$v-dev && for deb in *.deb; do dpkg-deb -x $$deb .; done && rm -f *.deb); \
+	fi || { rm -rf $(VENV)/clang; echo "note: clang was not fetched; DeepSpeed's NVMe op compiles with GCC alone"; }
 	touch $@
 
 # Compiled once here, side by side, rather than inside the first run (or test) that needs them: DeepSpeed's CPU

@@ -329,7 +329,8 @@ def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
 
 
 def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path, monkeypatch):
-    """Async I/O's way through the venv's `c++` (FABRIC_LAB_PRECOMPILE names it): torch/extension.h is compiled once
+    """Async I/O's way through the venv's `c++` (FABRIC_LAB_PRECOMPILE names it) without clang: GCC's
+    torch/extension.h is compiled once
     with the sources' own flags and read precompiled by each source that includes it, here through a header of its
     own as DeepSpeed's do; not by a source that does not include it, nor by another op's; ninja's dependency file names
     no precompiled file (deleted after the build, which must not make the op stale); and the build's folder of them goes."""
@@ -353,7 +354,7 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
                  str(tmp_path / "include"), "-fPIC", "-std=c++20", "-O0", "-H", "-c", str(tmp_path / "lib" / source),
                  "-o", f"{source}.o"]
         done = subprocess.run([cxx, *flags], cwd=build, capture_output=True, text=True,
-                              env={**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io"})
+                              env={**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io", "FABRIC_LAB_CLANG": "0"})
         assert done.returncode == 0 and (build / f"{source}.o").exists(), done.stderr[-2000:]
         return [line for line in done.stderr.splitlines() if line.startswith("! ")]  # -H: a precompiled header read
 
@@ -368,6 +369,55 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
     with extension_compiler.precompiled_torch_header("async_io"):
         assert os.environ["FABRIC_LAB_PRECOMPILE"] == "async_io"
     assert "FABRIC_LAB_PRECOMPILE" not in os.environ and not (build / "precompiled").exists()
+
+
+def test_with_clang_at_hand_the_ops_torch_sources_compile_with_clang_and_the_rest_with_gcc(tmp_path):
+    """Where clang is at hand (make setup unpacks Debian's into the venv where the system has none), the op named to
+    precompile compiles its sources that include torch/extension.h with clang, the header precompiled once; a source
+    that uses OpenMP (clang's would call another runtime than torch's), one without torch and one that clang cannot
+    compile go to GCC. Every object links into one library whose functions answer; ninja's dependency files name no
+    precompiled file. Without clang every source is GCC's."""
+    import ctypes
+    import subprocess
+    import sys
+
+    extension_compiler.install()
+    cxx = os.path.join(sys.prefix, "bin", "c++")
+    (tmp_path / "include" / "torch").mkdir(parents=True)
+    (tmp_path / "include" / "torch" / "extension.h").write_text("#pragma once\n#include <vector>\n"
+                                                                "inline int one() { return std::vector<int>{1}[0]; }\n")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "op.h").write_text("#pragma once\n#include <torch/extension.h>\n")
+    sources = {"uses_torch.cpp": '#include "op.h"\nextern "C" int two() { return one() + 1; }\n',
+               "uses_openmp.cpp": '#include "op.h"\nextern "C" int sum(int n) {\n  int s = 0;\n'
+                                  '#pragma omp parallel for reduction(+ : s)\n  for (int i = 0; i < n; ++i) s += i;\n'
+                                  '  return s;\n}\n',
+               "plain.cpp": 'extern "C" int three() { return 3; }\n',
+               "not_for_clang.cpp": '#include "op.h"\n#ifdef __clang__\n#error GCC only\n#endif\n'
+                                    'extern "C" int four() { return 4; }\n'}
+    build = tmp_path / "build" / "async_io"
+    build.mkdir(parents=True)
+    env = {**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io"}
+    compilers = {}
+    for name, text in sources.items():
+        (lib / name).write_text(text)
+        flags = ["-MMD", "-MF", f"{name}.o.d", "-DTORCH_EXTENSION_NAME=async_io", f"-I{lib}", "-isystem",
+                 str(tmp_path / "include"), "-fPIC", "-std=c++20", "-O0", "-fopenmp", "-c", str(lib / name), "-o",
+                 f"{name}.o"]
+        done = subprocess.run([cxx, *flags], cwd=build, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "precompiled" not in (build / f"{name}.o.d").read_text()
+        comment = subprocess.run(["readelf", "-p", ".comment", f"{name}.o"], cwd=build, capture_output=True,
+                                 text=True, check=True).stdout
+        compilers[name] = "clang" if "clang version" in comment else "GCC" if "GCC:" in comment else comment
+    clang = extension_compiler.find_clang() is not None
+    assert compilers == {"uses_torch.cpp": "clang" if clang else "GCC", "uses_openmp.cpp": "GCC", "plain.cpp": "GCC",
+                         "not_for_clang.cpp": "GCC"}, compilers
+    subprocess.run([cxx, *(f"{name}.o" for name in sources), "-shared", "-fopenmp", "-o", "async_io.so"], cwd=build,
+                   check=True, env=env)
+    op = ctypes.CDLL(str(build / "async_io.so"))
+    assert (op.two(), op.sum(5), op.three(), op.four()) == (2, 10, 3, 4)
 
 
 def test_the_step_profile_splits_a_step_into_kinds_that_add_up(tmp_path):

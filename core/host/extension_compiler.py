@@ -11,6 +11,13 @@ AVX2 EPYC). Async I/O is compiled at -O0 and 9 of its 12 sources include torch/e
 thirds of it parsing (an AVX-512 BF16 EPYC): its headers precompiled once with the sources' own flags (31 s, 786 MB,
 deleted after the build) leave 6-7 s a source, and the NVMe ops' build 148 s of CPU instead of 199 (docs/tests.md).
 An op of two or three sources would lose: the precompiled header costs two sources' parse.
+
+Where clang is at hand (the system's, or Debian's that `make setup` unpacks into the venv), that op's sources that
+include torch/extension.h compile with clang instead, its header precompiled with its templates instantiated once
+(-fpch-instantiate-templates): GCC instantiates them again at the end of every source, 10 s of a source's 10-12 even
+with the header precompiled; clang's take 3-6 s after a 19-21 s header (an AMX Xeon, docs/tests.md). A source that
+uses OpenMP stays with GCC (clang's OpenMP calls a runtime other than torch's libgomp), and so does any source clang
+fails on.
 """
 
 import contextlib
@@ -88,12 +95,10 @@ def precompiled_torch_header(op: str):
 def compile_command(real: str, args: list[str]) -> list[str]:
     """What runs for `c++ args`: the same without debug information, and the precompiled header where asked."""
     args = [*args, "-g0"]
-    op = os.environ.get("FABRIC_LAB_PRECOMPILE")
-    sources = [Path(a) for a in args if is_source(a)]
-    if op and f"-DTORCH_EXTENSION_NAME={op}" in args and len(sources) == 1:  # a compile, not the link
-        include_dirs = [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
+    # with clang at hand this is a source that uses OpenMP, and GCC's header would be built for it alone
+    if (source := precompiling(args)) is not None and includes_torch(*source) and not find_clang():
         try:  # the sources without torch would only pay for loading it
-            header = precompiled(real, flags_of(args)) if includes_torch(sources[0], include_dirs, set()) else None
+            header = precompiled(real, flags_of(args))
         except OSError:  # never a reason for the compile itself to fail
             header = None
         if header:
@@ -101,20 +106,79 @@ def compile_command(real: str, args: list[str]) -> list[str]:
     return [real, *args]
 
 
-def includes_torch(path: Path, include_dirs: list[Path], seen: set) -> bool:
-    """Whether `path` includes torch/extension.h, itself or through the headers it finds beside it or in -I folders."""
+def precompiling(args: list[str]) -> tuple[Path, list[Path]] | None:
+    """(source, its -I folders) where `args` compile one source of the op named in $FABRIC_LAB_PRECOMPILE, else None
+    (another op, or a link)."""
+    op = os.environ.get("FABRIC_LAB_PRECOMPILE")
+    sources = [Path(a) for a in args if is_source(a)]
+    if op and f"-DTORCH_EXTENSION_NAME={op}" in args and len(sources) == 1:
+        return sources[0], [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
+    return None
+
+
+def local_lines(path: Path, include_dirs: list[Path], seen: set | None = None):
+    """The lines of `path` and of the headers it includes that are found beside it or in -I folders (system headers
+    are in neither), each file once."""
+    seen = set() if seen is None else seen
     seen.add(path)
     for line in path.read_text(errors="replace").splitlines():
+        yield line
         included = INCLUDE.match(line)
-        if not included:
-            continue
-        if included[1] == HEADER:
-            return True
-        candidates = [folder / included[1] for folder in (path.parent, *include_dirs)]
-        found = next((c.resolve() for c in candidates if c.is_file()), None)  # system headers are in neither
-        if found and found not in seen and includes_torch(found, include_dirs, seen):
-            return True
-    return False
+        if included and included[1] != HEADER:
+            candidates = [folder / included[1] for folder in (path.parent, *include_dirs)]
+            found = next((c.resolve() for c in candidates if c.is_file()), None)
+            if found and found not in seen:
+                yield from local_lines(found, include_dirs, seen)
+
+
+def includes_torch(path: Path, include_dirs: list[Path]) -> bool:
+    """Whether `path` includes torch/extension.h, itself or through the headers it finds beside it or in -I folders."""
+    return any((included := INCLUDE.match(line)) and included[1] == HEADER for line in local_lines(path, include_dirs))
+
+
+def uses_openmp(path: Path, include_dirs: list[Path]) -> bool:
+    return any(OPENMP.match(line) for line in local_lines(path, include_dirs))
+
+
+# ----------------------------------------------------------------------------- clang, where it is at hand
+OPENMP = re.compile(r"\s*#\s*pragma\s+omp\b")
+CLANG = "clang"  # Debian's clang, unpacked into the venv by make setup where the system has none
+
+
+def find_clang() -> tuple[str, dict] | None:
+    """clang++ and the environment it runs in: $FABRIC_LAB_CLANG's (0: none), else the venv's (its libraries beside
+    it), else the system's; None."""
+    if (named := os.environ.get("FABRIC_LAB_CLANG")) is not None:
+        return None if named in ("", "0") else (named, dict(os.environ))
+    # the venv's python runs this file with -S, which leaves sys.prefix the base one: its own path names the venv
+    root = (Path(sys.prefix) if sys.prefix != sys.base_prefix else Path(sys.executable).parent.parent) / CLANG
+    for binary in sorted(root.glob("usr/lib/llvm-*/bin/clang++"), reverse=True):
+        libraries = [str(p) for p in root.glob("usr/lib/*-linux-gnu")] + [os.environ.get("LD_LIBRARY_PATH", "")]
+        return str(binary), {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, libraries))}
+    system = shutil.which("clang++")
+    return (system, dict(os.environ)) if system else None
+
+
+def compiled_with_clang(args: list[str]) -> bool:
+    """Compile `args`' source with clang and torch/extension.h precompiled, where that is asked and can be done
+    (see the module's docstring); False where it was not, and GCC then compiles it."""
+    source = precompiling(args)
+    if source is None or not includes_torch(*source) or uses_openmp(*source) or not (clang := find_clang()):
+        return False
+    compiler, env = clang
+    flags = [a for a in [*args, "-g0"] if a != "-fopenmp"]  # the source uses no OpenMP: nothing to link against
+    try:
+        pch = precompiled(compiler, flags_of(flags), env)
+    except OSError:
+        return False
+    if pch is None:
+        return False
+    if subprocess.run([compiler, *flags, "-include-pch", str(pch)], env=env, capture_output=True).returncode:
+        return False  # its messages dropped: GCC compiles the source next, and says what is wrong with it
+    if "-MF" in args:  # ninja's dependencies: the sources and headers, not the precompiled file (deleted after)
+        depfile = Path(args[args.index("-MF") + 1])
+        depfile.write_text(depfile.read_text().replace(f" {pch.with_suffix('')} \\\n", " ", 1))
+    return True
 
 
 def is_source(arg: str) -> bool:
@@ -132,25 +196,30 @@ def flags_of(args: list[str]) -> list[str]:
     return flags
 
 
-def precompiled(real: str, flags: list[str]) -> Path | None:
-    """torch/extension.h compiled once per set of flags (the first source builds it while the others wait); None
-    when it does not compile, and each source then parses the header itself."""
-    folder = Path(FOLDER).resolve() / hashlib.sha1("\0".join(flags).encode()).hexdigest()[:16]
-    header, gch = folder / "torch_extension.h", folder / "torch_extension.h.gch"
+def precompiled(real: str, flags: list[str], clang_env: dict | None = None) -> Path | None:
+    """torch/extension.h compiled once per compiler and set of flags (the first source builds it while the others
+    wait): GCC's beside the header it stands for, which a source then includes (the header is returned), clang's
+    with its templates instantiated, which a source names (the .pch is returned); None when it does not compile,
+    and each source then parses the header itself."""
+    folder = Path(FOLDER).resolve() / hashlib.sha1("\0".join([real, *flags]).encode()).hexdigest()[:16]
+    header = folder / "torch_extension.h"
+    output = header.with_suffix(".h.pch" if clang_env else ".h.gch")
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not gch.exists() and not (folder / "failed").exists():
+        if not output.exists() and not (folder / "failed").exists():
             header.write_text(f"#include <{HEADER}>\n")
-            partial = folder / "partial.gch"
-            command = [real, *flags, "-x", "c++-header", str(header), "-o", str(partial)]
-            if subprocess.run(command, capture_output=True).returncode == 0:  # a failure costs time, not the build
-                partial.replace(gch)  # a source never reads a half-written one
+            partial = folder / f"partial{output.suffix}"
+            command = [real, *flags, "-x", "c++-header", str(header), "-o", str(partial),
+                       *(["-fpch-instantiate-templates"] if clang_env else [])]
+            if subprocess.run(command, capture_output=True, env=clang_env).returncode == 0:  # a failure costs time
+                partial.replace(output)  # a source never reads a half-written one
             else:
                 (folder / "failed").touch()
-    return header if gch.exists() else None
+    return None if not output.exists() else output if clang_env else header
 
 
 if __name__ == "__main__":
-    command = compile_command(sys.argv[1], sys.argv[2:])
-    os.execv(command[0], command)
+    if not compiled_with_clang(sys.argv[2:]):
+        command = compile_command(sys.argv[1], sys.argv[2:])
+        os.execv(command[0], command)
