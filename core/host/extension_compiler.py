@@ -15,7 +15,7 @@ An op of two or three sources would lose: the precompiled header costs two sourc
 Where clang is at hand (the system's, or Debian's that `make setup` unpacks into the venv), that op's sources that
 include torch/extension.h compile with clang instead, its header precompiled with its templates instantiated once
 (-fpch-instantiate-templates): GCC instantiates them again at the end of every source, 10 s of a source's 10-12 even
-with the header precompiled; clang's take 3-6 s after a 19-21 s header (an AMX Xeon, docs/tests.md). A source that
+with the header precompiled; clang's take 3-6 s after a 19-23 s header (an AMX Xeon, docs/tests.md). A source that
 uses OpenMP stays with GCC (clang's OpenMP calls a runtime other than torch's libgomp), and so does any source clang
 fails on.
 """
