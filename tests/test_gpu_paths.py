@@ -376,8 +376,10 @@ def test_with_clang_at_hand_the_ops_torch_sources_compile_with_clang_and_the_res
     precompile compiles its sources that include torch/extension.h with clang, the header precompiled once; a source
     that uses OpenMP (clang's would call another runtime than torch's), one without torch and one that clang cannot
     compile go to GCC. Every object links into one library whose functions answer; ninja's dependency files name no
-    precompiled file. Without clang every source is GCC's."""
+    precompiled file. Without clang every source is GCC's, and so with a clang that cannot make the header, GCC's
+    header precompiled as before."""
     import ctypes
+    import shutil
     import subprocess
     import sys
 
@@ -418,6 +420,13 @@ def test_with_clang_at_hand_the_ops_torch_sources_compile_with_clang_and_the_res
                    check=True, env=env)
     op = ctypes.CDLL(str(build / "async_io.so"))
     assert (op.two(), op.sum(5), op.three(), op.four()) == (2, 10, 3, 4)
+    broken = tmp_path / "build" / "broken"  # `false` as clang: its header fails, and GCC's is made and read (-H)
+    broken.mkdir()
+    done = subprocess.run([cxx, "-DTORCH_EXTENSION_NAME=async_io", f"-I{lib}", "-isystem", str(tmp_path / "include"),
+                           "-fPIC", "-O0", "-H", "-c", str(lib / "uses_torch.cpp"), "-o", "uses_torch.o"], cwd=broken,
+                          capture_output=True, text=True, env={**env, "FABRIC_LAB_CLANG": shutil.which("false")})
+    assert done.returncode == 0 and [line for line in done.stderr.splitlines() if line.startswith("! ")] == [
+        f"! {next((broken / 'precompiled').glob('*/torch_extension.h.gch'))}"], done.stderr[-2000:]
 
 
 def test_the_step_profile_splits_a_step_into_kinds_that_add_up(tmp_path):

@@ -92,11 +92,11 @@ def precompiled_torch_header(op: str):
         shutil.rmtree(Path(_get_build_directory(op, verbose=False)) / FOLDER, ignore_errors=True)
 
 
-def compile_command(real: str, args: list[str]) -> list[str]:
-    """What runs for `c++ args`: the same without debug information, and the precompiled header where asked."""
+def compile_command(real: str, args: list[str], precompile: bool = True) -> list[str]:
+    """What runs for `c++ args`: the same without debug information, and the precompiled header where asked (not
+    where clang compiles the op's other sources: GCC's header would be built for this one alone)."""
     args = [*args, "-g0"]
-    # with clang at hand this is a source that uses OpenMP, and GCC's header would be built for it alone
-    if (source := precompiling(args)) is not None and includes_torch(*source) and not find_clang():
+    if precompile and (source := precompiling(args)) is not None and includes_torch(*source):
         try:  # the sources without torch would only pay for loading it
             header = precompiled(real, flags_of(args))
         except OSError:  # never a reason for the compile itself to fail
@@ -159,20 +159,24 @@ def find_clang() -> tuple[str, dict] | None:
     return (system, dict(os.environ)) if system else None
 
 
-def compiled_with_clang(args: list[str]) -> bool:
-    """Compile `args`' source with clang and torch/extension.h precompiled, where that is asked and can be done
-    (see the module's docstring); False where it was not, and GCC then compiles it."""
+def compiled_with_clang(args: list[str]) -> bool | None:
+    """Compile `args`' source with clang and torch/extension.h precompiled where that is asked and can be done (see
+    the module's docstring). True: compiled. False: GCC compiles it without a header of its own: it uses OpenMP, or
+    clang failed on it. None: not clang's (another op, a link, a source without torch, no clang, or clang's header
+    did not compile), and GCC compiles it as it did before clang."""
     source = precompiling(args)
-    if source is None or not includes_torch(*source) or uses_openmp(*source) or not (clang := find_clang()):
-        return False
+    if source is None or not includes_torch(*source) or not (clang := find_clang()):
+        return None
     compiler, env = clang
     flags = [a for a in [*args, "-g0"] if a != "-fopenmp"]  # the source uses no OpenMP: nothing to link against
+    if uses_openmp(*source):  # not waiting for clang's header: GCC's is wanted only where clang's failed already
+        return None if (header_folder(compiler, flags_of(flags)) / "failed").exists() else False
     try:
         pch = precompiled(compiler, flags_of(flags), env)
     except OSError:
-        return False
+        return None
     if pch is None:
-        return False
+        return None
     if subprocess.run([compiler, *flags, "-include-pch", str(pch)], env=env, capture_output=True).returncode:
         return False  # its messages dropped: GCC compiles the source next, and says what is wrong with it
     if "-MF" in args:  # ninja's dependencies: the sources and headers, not the precompiled file (deleted after)
@@ -196,12 +200,17 @@ def flags_of(args: list[str]) -> list[str]:
     return flags
 
 
+def header_folder(real: str, flags: list[str]) -> Path:
+    """Where the header precompiled by `real` with `flags` is made, in the op's build folder (ninja's working one)."""
+    return Path(FOLDER).resolve() / hashlib.sha1("\0".join([real, *flags]).encode()).hexdigest()[:16]
+
+
 def precompiled(real: str, flags: list[str], clang_env: dict | None = None) -> Path | None:
     """torch/extension.h compiled once per compiler and set of flags (the first source builds it while the others
     wait): GCC's beside the header it stands for, which a source then includes (the header is returned), clang's
     with its templates instantiated, which a source names (the .pch is returned); None when it does not compile,
     and each source then parses the header itself."""
-    folder = Path(FOLDER).resolve() / hashlib.sha1("\0".join([real, *flags]).encode()).hexdigest()[:16]
+    folder = header_folder(real, flags)
     header = folder / "torch_extension.h"
     output = header.with_suffix(".h.pch" if clang_env else ".h.gch")
     folder.mkdir(parents=True, exist_ok=True)
@@ -220,6 +229,6 @@ def precompiled(real: str, flags: list[str], clang_env: dict | None = None) -> P
 
 
 if __name__ == "__main__":
-    if not compiled_with_clang(sys.argv[2:]):
-        command = compile_command(sys.argv[1], sys.argv[2:])
+    if (clang := compiled_with_clang(sys.argv[2:])) is not True:
+        command = compile_command(sys.argv[1], sys.argv[2:], precompile=clang is None)
         os.execv(command[0], command)
