@@ -294,12 +294,16 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
     assert read_summary(tmp_path / "auto")["config"]["pad_channels"] == probe["pad_channels"]
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "again")
     assert read_summary(tmp_path / "again")["precision_probe"]["cached"] and "cached" in proc.stdout
-    cache = tmp_path / "cache" / "precision-probe.json"  # now saying the other: a resume keeps the run's own
-    other = {"32-true": "bf16-mixed", "bf16-mixed": "32-true"}[probe["choice"]]
-    cache.write_text(json.dumps({k: {**v, "choice": other} for k, v in json.loads(cache.read_text()).items()}))
+    cache = tmp_path / "cache" / "precision-probe.json"  # now saying the others: a resume keeps the run's own, the
+    other = {"32-true": "bf16-mixed", "bf16-mixed": "32-true"}[probe["choice"]]  # padding too (its rounding)
+    cache.write_text(json.dumps({k: {**v, "choice": other, "pad_channels": 8 - v["pad_channels"]}
+                                 for k, v in json.loads(cache.read_text()).items()}))
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "again", "--resume", "auto", "--max-steps", "3")
-    assert read_summary(tmp_path / "again")["config"]["precision"] == probe["choice"]
-    assert f"precision auto: {probe['choice']} (the precision the resumed run trained in" in proc.stdout
+    resumed = read_summary(tmp_path / "again")
+    kept = resumed["config"]["precision"], resumed["config"]["pad_channels"]
+    assert kept == (probe["choice"], probe["pad_channels"])
+    assert (f"--precision auto: {probe['choice']}, --pad-channels auto: {probe['pad_channels']} (the resumed run's own"
+            in proc.stdout), proc.stdout[-2000:]
     run_in_process("fabric_lenet.py", *common, "--run-name", "forced", "--precision", "32-true", "--pad-channels", "8")
     forced = read_summary(tmp_path / "forced")
     assert forced["config"]["precision"] == "32-true" and forced["precision_probe"] is None

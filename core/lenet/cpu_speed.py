@@ -161,8 +161,8 @@ def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
 
 def probe_line(probe: dict) -> str:
     """What auto chose and why: the resumed run's precision, and the probe's figures where it measured."""
-    lines = [f"precision auto: {probe['resumed']} (the precision the resumed run trained in; --precision forces one)"
-             ] if probe.get("resumed") else []
+    taken = ", ".join(f"--{name.replace('_', '-')} auto: {value}" for name, value in probe.get("resumed", {}).items())
+    lines = [f"{taken} (the resumed run's own; --precision and --pad-channels force them)"] if taken else []
     return "\n".join(lines + ([measured_line(probe)] if "cases" in probe else []))
 
 
