@@ -584,6 +584,7 @@ def validate(cfg: Config) -> None:
     # auto's two choices keep float32 weights: the same bytes on disk
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
     resolve_precision(cfg)  # after every refusal it does not change (it times a cut model); the rest plans with it
+    keep_the_resumed_runs_kernels(cfg, on_gpu)
     cfg.attention_precision = resolve_attention(cfg, on_gpu)
     cfg.gelu_impl = resolve_gelu(cfg, on_gpu)
     if cfg.precision == "16-mixed" and lay.model_parallel:
@@ -773,6 +774,18 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> 
         fabric.print(cpu_precision.note(precision_choice))
     disk.print_disk_plan(cfg, on_disk, fabric.print)
     gpt_figures.announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
+
+
+def keep_the_resumed_runs_kernels(cfg: Config, on_gpu: bool) -> None:
+    """A resumed run on a CPU computes attention and the GELU as it did where they are auto: a new measurement near
+    the margin could choose the other, rounded otherwise, and the run would no longer be the uninterrupted one."""
+    saved = {} if on_gpu else resumed_config(cfg.resume, cfg.out_dir, cfg.run_name, "gpt")
+    if cfg.attention_precision == "auto" and saved.get("attention_precision") in ("float32", "autocast"):
+        cfg.attention_precision = saved["attention_precision"]
+    measurable = not (cfg.compile or cfg.layout.tensor_parallel) and gelu_ext.is_built()  # as resolve_gelu's
+    if cfg.gelu_impl == "auto" and (saved.get("gelu_impl") == "torch" or saved.get("gelu_impl") == "cpp" and
+                                    measurable):
+        cfg.gelu_impl = saved["gelu_impl"]
 
 
 def resolve_gelu(cfg: Config, on_gpu: bool) -> str:

@@ -1294,10 +1294,22 @@ def test_auto_precision_on_a_cpu_is_the_measured_faster_and_trains_in_it(tmp_pat
     measurements.cache_file().write_text(json.dumps({measurements.entry_name("precision", settings): {"value": written}}))
     run_gpt(tmp_path, "second", *args, base=[])
     assert json.loads((tmp_path / "second" / "config.json").read_text())["precision"] == "bf16-mixed"
-    measurements.cache_file().unlink()  # measured again, float32 might win: a resume keeps the run's own precision
+    # measured again, float32 might win: a resume keeps the run's own precision, and its GELU, here with the cache
+    # saying the other is faster (a new measurement near the margin), and its attention's dtype
+    measurements.cache_file().unlink()
+    second = json.loads((tmp_path / "second" / "config.json").read_text())
+    ran = gpt.Config(**{f.name: second[f.name] for f in dataclasses.fields(gpt.Config) if f.name in second})
+    other = {"torch_s": 1.0, "cpp_s": 2.0} if second["gelu_impl"] == "cpp" else {"torch_s": 2.0, "cpp_s": 1.0}
+    tokens, width = gpt.gelu_shape(ran)
+    settings = {"tokens": tokens, "width": width, "dtype": str(gpt.math_dtype(ran)),
+                "threads": measurements.rank_threads(ran.devices), "kernel": gpt.gelu_ext.KERNEL_VERSION}
+    measurements.cache_file().write_text(json.dumps({measurements.entry_name("gelu_tanh", settings): {"value": other}}))
+    assert gpt.gelu_speeds(ran, allow_measure=False) == other
     resumed = run_gpt(tmp_path, "second", *args, "--steps", "3", "--resume", "auto", base=[])
     assert "precision auto: bf16-mixed (the precision the resumed run trained in" in resumed.stdout
-    assert record(tmp_path, "second")["config"]["precision"] == "bf16-mixed"
+    kept = record(tmp_path, "second")["config"]
+    assert (kept["precision"], kept["gelu_impl"], kept["attention_precision"]) == (
+        "bf16-mixed", second["gelu_impl"], second["attention_precision"])
 
 
 def test_auto_gelu_follows_the_measurement_and_cpp_is_refused_under_tensor_parallel(monkeypatch):
