@@ -91,7 +91,7 @@ $(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/g
 	touch $@
 SETUP += $(VENV)/.ops
 
-setup: $(SETUP) ## create .venv and install requirements.txt (and libaio for NVMe offload where the system lacks it)
+setup: $(SETUP) ## create .venv and install requirements.txt (libaio and clang for NVMe offload where the system lacks them)
 
 lab: $(SETUP) ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
 	$(PY) -m lab --runs $(call quote,$(RUNS)) $(if $(filter 1 yes true,$(FORCE)),--force) $(call flag,STAGES,--stages)
