@@ -37,7 +37,7 @@ from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, gpu_precision, return_freed_host_memory, uses_gpu
 from core.run.layout import STRATEGIES, Parallel, check_sizes, saved_config
 from core.run.lifecycle import (Progress, Run, exit_without_teardown, exits, find_run, resumed_config,
-                                resumed_precision)
+                                take_resumed_choices)
 from core.run.measurements import rank_threads
 from core.run.ranks import agree_on_precision, check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer
@@ -201,9 +201,8 @@ def resolve_precision(cfg: Config) -> None:
     precision_choice = None
     if cfg.precision != "auto":
         return
-    if resumed := resumed_precision(cfg.resume, cfg.out_dir, cfg.run_name, "gpt"):
-        precision_choice = {"choice": resumed, "why": "the precision the resumed run trained in"}
-        cfg.precision = resumed
+    if take_resumed_choices(cfg, "gpt", ("precision",)):
+        precision_choice = {"choice": cfg.precision, "why": "the precision the resumed run trained in"}
         return
     makers = lambda: {p: probe_step(cfg, p) for p in cpu_precision.CANDIDATES}  # noqa: E731
     peaks = lambda: (accounting.cpu_matmul_peak("32-true"), accounting.cpu_matmul_peak("bf16-mixed"))  # noqa: E731
@@ -584,7 +583,10 @@ def validate(cfg: Config) -> None:
     # auto's two choices keep float32 weights: the same bytes on disk
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint (and the NVMe folder) fit, or nothing is built
     resolve_precision(cfg)  # after every refusal it does not change (it times a cut model); the rest plans with it
-    keep_the_resumed_runs_kernels(cfg, on_gpu)
+    if not on_gpu:  # a resumed CPU run's own attention dtype and GELU, the C++ one where resolve_gelu could pick it
+        measurable = not (cfg.compile or cfg.layout.tensor_parallel) and gelu_ext.is_built()
+        take_resumed_choices(cfg, "gpt", ("attention_precision", "gelu_impl"), lambda name, value:
+                             name != "gelu_impl" or value == "torch" or value == "cpp" and measurable)
     cfg.attention_precision = resolve_attention(cfg, on_gpu)
     cfg.gelu_impl = resolve_gelu(cfg, on_gpu)
     if cfg.precision == "16-mixed" and lay.model_parallel:
@@ -774,18 +776,6 @@ def announce(run: Run, n_params: int, peak: tuple, attn: str, on_disk: dict) -> 
         fabric.print(cpu_precision.note(precision_choice))
     disk.print_disk_plan(cfg, on_disk, fabric.print)
     gpt_figures.announce_duration(fabric, cfg, n_params, peak, stop_at - progress.step)
-
-
-def keep_the_resumed_runs_kernels(cfg: Config, on_gpu: bool) -> None:
-    """A resumed run on a CPU computes attention and the GELU as it did where they are auto: a new measurement near
-    the margin could choose the other, rounded otherwise, and the run would no longer be the uninterrupted one."""
-    saved = {} if on_gpu else resumed_config(cfg.resume, cfg.out_dir, cfg.run_name, "gpt")
-    if cfg.attention_precision == "auto" and saved.get("attention_precision") in ("float32", "autocast"):
-        cfg.attention_precision = saved["attention_precision"]
-    measurable = not (cfg.compile or cfg.layout.tensor_parallel) and gelu_ext.is_built()  # as resolve_gelu's
-    if cfg.gelu_impl == "auto" and (saved.get("gelu_impl") == "torch" or saved.get("gelu_impl") == "cpp" and
-                                    measurable):
-        cfg.gelu_impl = saved["gelu_impl"]
 
 
 def resolve_gelu(cfg: Config, on_gpu: bool) -> str:

@@ -30,7 +30,7 @@ from core.run import flags
 from core.run.flags import ConfigError, opt, requeue_flag, resume_flag
 from core.run.hardware import check_hardware, compile_cache_per_caps, cuda_graphs, host_sync_forbidden, keep_freed_memory_in_heap
 from core.run.layout import Parallel
-from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, resumed_config
+from core.run.lifecycle import Progress, Run, exit_without_teardown, exits, find_run, take_resumed_choices
 from core.run.ranks import check_launcher, launch, take_fabric_run_settings
 from core.run.step_watch import LossWatch, StepTimer, progress_bar
 from gelu_ext import ACTIVATIONS, GeluBuildError
@@ -377,7 +377,9 @@ def validate(cfg: Config) -> dict | None:
         from gelu_ext import load_cpp
 
         load_cpp()  # build once here, before Fabric starts worker processes that would race to build it
-    probe, resumed = None, resumed_auto(cfg)
+    probe = None  # a resumed run's own precision and padding (NCHW pads nothing), never measured again
+    resumed = take_resumed_choices(cfg, "lenet", ("precision", "pad_channels"),
+                                   lambda name, value: name != "pad_channels" or cfg.channels_last)
     if "auto" in (cfg.precision, cfg.pad_channels):  # resolved here, so config.json and resume compare what ran
         make = lambda pad: LeNet5(dataclasses.replace(cfg, pad_channels=pad))  # noqa: E731
         cfg.precision, cfg.pad_channels, probe = cpu_speed.lenet_cpu_choice(cfg, make)
@@ -385,20 +387,6 @@ def validate(cfg: Config) -> dict | None:
         probe = {**(probe or {}), "resumed": resumed}
     disk.check_disk(cfg, disk_plan(cfg))  # the first checkpoint and the first epoch's figures fit, or no step is taken
     return probe
-
-
-def resumed_auto(cfg: Config) -> dict:
-    """A resumed run's own precision and conv1 padding where they are auto, set on cfg: a new measurement near the
-    margin could choose another precision (refused as another setting) or padding (the same model rounded otherwise:
-    no longer the uninterrupted run). Returns what it took."""
-    saved = resumed_config(cfg.resume, cfg.out_dir, cfg.run_name, "lenet") if "auto" in (cfg.precision,
-                                                                                         cfg.pad_channels) else {}
-    taken = {}
-    if cfg.precision == "auto" and saved.get("precision"):
-        cfg.precision = taken["precision"] = saved["precision"]
-    if cfg.pad_channels == "auto" and cfg.channels_last and isinstance(saved.get("pad_channels"), int):
-        cfg.pad_channels = taken["pad_channels"] = saved["pad_channels"]
-    return taken
 
 
 def disk_plan(cfg: Config) -> dict:

@@ -211,9 +211,17 @@ def resumed_config(resume: str, out_dir: str, run_name: str, kind: str) -> dict:
     return {}
 
 
-def resumed_precision(resume: str, out_dir: str, run_name: str, kind: str) -> str | None:
-    """--precision auto of a resumed run: the precision it recorded, if any."""
-    return resumed_config(resume, out_dir, run_name, kind).get("precision")
+def take_resumed_choices(cfg, kind: str, names: tuple, usable=lambda name, value: True) -> dict:
+    """The settings `names` that are auto on cfg set to what the run being resumed recorded, where `usable` accepts
+    it here: a choice measured again near its margin could come out otherwise, and the resumed run would then be
+    refused as another setting or round otherwise than the uninterrupted one. Returns what it took."""
+    pending = [name for name in names if getattr(cfg, name) == "auto"]
+    saved = resumed_config(cfg.resume, cfg.out_dir, cfg.run_name, kind) if pending else {}
+    taken = {name: saved[name] for name in pending
+             if saved.get(name) not in (None, "auto") and usable(name, saved[name])}
+    for name, value in taken.items():
+        setattr(cfg, name, value)
+    return taken
 
 
 def check_same_experiment(saved: dict, current: dict, runtime_fields: set[str], where: str,
