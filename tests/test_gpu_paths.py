@@ -372,12 +372,12 @@ def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path
 
 
 def test_with_clang_at_hand_the_ops_torch_sources_compile_with_clang_and_the_rest_with_gcc(tmp_path):
-    """Where clang is at hand (make setup unpacks Debian's into the venv where the system has none), the op named to
-    precompile compiles its sources that include torch/extension.h with clang, the header precompiled once; a source
-    that uses OpenMP (clang's would call another runtime than torch's), one without torch and one that clang cannot
-    compile go to GCC. Every object links into one library whose functions answer; ninja's dependency files name no
-    precompiled file. Without clang every source is GCC's, and so with a clang that cannot make the header, GCC's
-    header precompiled as before."""
+    """Where clang is at hand (make setup unpacks Debian's into the venv where the system has none), an op's sources
+    that include torch/extension.h compile with clang, the header precompiled once for the op named to precompile.
+    GCC compiles a source that uses OpenMP itself, one whose object calls OpenMP through a header's template (clang's
+    would call another runtime than torch's), one without torch and one that clang cannot compile. Every object links
+    into one library whose functions answer; ninja's dependency files name no precompiled file. Without clang every
+    source is GCC's, and so with a clang that cannot make the header, GCC's header precompiled as before."""
     import ctypes
     import shutil
     import subprocess
@@ -390,21 +390,27 @@ def test_with_clang_at_hand_the_ops_torch_sources_compile_with_clang_and_the_res
                                                                 "inline int one() { return std::vector<int>{1}[0]; }\n")
     lib = tmp_path / "lib"
     lib.mkdir()
-    (lib / "op.h").write_text("#pragma once\n#include <torch/extension.h>\n")
+    (lib / "op.h").write_text("#pragma once\n#include <torch/extension.h>\n"
+                              "template <typename T> T total(T n) {\n  T s = 0;\n"
+                              "#pragma omp parallel for reduction(+ : s)\n  for (T i = 0; i < n; ++i) s += i;\n"
+                              "  return s;\n}\n")
     sources = {"uses_torch.cpp": '#include "op.h"\nextern "C" int two() { return one() + 1; }\n',
                "uses_openmp.cpp": '#include "op.h"\nextern "C" int sum(int n) {\n  int s = 0;\n'
                                   '#pragma omp parallel for reduction(+ : s)\n  for (int i = 0; i < n; ++i) s += i;\n'
                                   '  return s;\n}\n',
+               "header_openmp.cpp": '#include "op.h"\nextern "C" long sum_long(long n) { return total(n); }\n',
                "plain.cpp": 'extern "C" int three() { return 3; }\n',
                "not_for_clang.cpp": '#include "op.h"\n#ifdef __clang__\n#error GCC only\n#endif\n'
-                                    'extern "C" int four() { return 4; }\n'}
+                                    'extern "C" int four() { return 4; }\n',
+               "other_op.cpp": '#include "op.h"\nextern "C" int five() { return one() + 4; }\n'}
     build = tmp_path / "build" / "async_io"
     build.mkdir(parents=True)
     env = {**os.environ, "FABRIC_LAB_PRECOMPILE": "async_io"}
     compilers = {}
     for name, text in sources.items():
         (lib / name).write_text(text)
-        flags = ["-MMD", "-MF", f"{name}.o.d", "-DTORCH_EXTENSION_NAME=async_io", f"-I{lib}", "-isystem",
+        op = "pin_memory" if name == "other_op.cpp" else "async_io"  # an op without a precompiled header
+        flags = ["-MMD", "-MF", f"{name}.o.d", f"-DTORCH_EXTENSION_NAME={op}", f"-I{lib}", "-isystem",
                  str(tmp_path / "include"), "-fPIC", "-std=c++20", "-O0", "-fopenmp", "-c", str(lib / name), "-o",
                  f"{name}.o"]
         done = subprocess.run([cxx, *flags], cwd=build, capture_output=True, text=True, env=env)
@@ -413,13 +419,17 @@ def test_with_clang_at_hand_the_ops_torch_sources_compile_with_clang_and_the_res
         comment = subprocess.run(["readelf", "-p", ".comment", f"{name}.o"], cwd=build, capture_output=True,
                                  text=True, check=True).stdout
         compilers[name] = "clang" if "clang version" in comment else "GCC" if "GCC:" in comment else comment
-    clang = extension_compiler.find_clang() is not None
-    assert compilers == {"uses_torch.cpp": "clang" if clang else "GCC", "uses_openmp.cpp": "GCC", "plain.cpp": "GCC",
-                         "not_for_clang.cpp": "GCC"}, compilers
+    clang = "clang" if extension_compiler.find_clang() is not None else "GCC"
+    assert compilers == {"uses_torch.cpp": clang, "uses_openmp.cpp": "GCC", "header_openmp.cpp": "GCC",
+                         "plain.cpp": "GCC", "not_for_clang.cpp": "GCC", "other_op.cpp": clang}, compilers
+    headers = sorted(p.name for p in (build / "precompiled").glob("*/torch_extension.h.*ch"))
+    assert headers == (["torch_extension.h.pch"] if clang == "clang" else ["torch_extension.h.gch"]), headers
     subprocess.run([cxx, *(f"{name}.o" for name in sources), "-shared", "-fopenmp", "-o", "async_io.so"], cwd=build,
                    check=True, env=env)
     op = ctypes.CDLL(str(build / "async_io.so"))
-    assert (op.two(), op.sum(5), op.three(), op.four()) == (2, 10, 3, 4)
+    op.sum_long.restype, op.sum_long.argtypes = ctypes.c_long, [ctypes.c_long]
+    assert (op.two(), op.sum(5), op.sum_long(100_000), op.three(), op.four(), op.five()) == \
+        (2, 10, 4_999_950_000, 3, 4, 5)
     broken = tmp_path / "build" / "broken"  # `false` as clang: its header fails, and GCC's is made and read (-H)
     broken.mkdir()
     done = subprocess.run([cxx, "-DTORCH_EXTENSION_NAME=async_io", f"-I{lib}", "-isystem", str(tmp_path / "include"),

@@ -12,12 +12,14 @@ thirds of it parsing (an AVX-512 BF16 EPYC): its headers precompiled once with t
 deleted after the build) leave 6-7 s a source, and the NVMe ops' build 148 s of CPU instead of 199 (docs/tests.md).
 An op of two or three sources would lose: the precompiled header costs two sources' parse.
 
-Where clang is at hand (the system's, or Debian's that `make setup` unpacks into the venv), that op's sources that
-include torch/extension.h compile with clang instead, its header precompiled with its templates instantiated once
+Where clang is at hand (the system's, or Debian's that `make setup` unpacks into the venv), an op's sources that
+include torch/extension.h compile with clang instead: 0.68-0.84x GCC's CPU time a source (an AMX Xeon, docs/tests.md),
+and for the op named in $FABRIC_LAB_PRECOMPILE with its header precompiled, templates instantiated once
 (-fpch-instantiate-templates): GCC instantiates them again at the end of every source, 10 s of a source's 10-12 even
-with the header precompiled; clang's take 3-6 s after a 19-23 s header (an AMX Xeon, docs/tests.md). A source that
-uses OpenMP stays with GCC (clang's OpenMP calls a runtime other than torch's libgomp), and so does any source clang
-fails on.
+with the header precompiled; clang's take 3-6 s after a 19-23 s header. clang compiles with the op's -fopenmp, and an
+object that then calls the OpenMP runtime is thrown away and compiled by GCC: clang's OpenMP calls libomp, another
+runtime than torch's libgomp. A source whose own text uses OpenMP goes to GCC without trying, and so does any source
+clang fails on.
 """
 
 import contextlib
@@ -109,9 +111,15 @@ def compile_command(real: str, args: list[str], precompile: bool = True) -> list
 def precompiling(args: list[str]) -> tuple[Path, list[Path]] | None:
     """(source, its -I folders) where `args` compile one source of the op named in $FABRIC_LAB_PRECOMPILE, else None
     (another op, or a link)."""
+    found = extension_source(args)
     op = os.environ.get("FABRIC_LAB_PRECOMPILE")
+    return found if found and op and f"-DTORCH_EXTENSION_NAME={op}" in args else None
+
+
+def extension_source(args: list[str]) -> tuple[Path, list[Path]] | None:
+    """(source, its -I folders) where `args` compile one source of a torch extension, else None (a link, a probe)."""
     sources = [Path(a) for a in args if is_source(a)]
-    if op and f"-DTORCH_EXTENSION_NAME={op}" in args and len(sources) == 1:
+    if any(a.startswith("-DTORCH_EXTENSION_NAME=") for a in args) and len(sources) == 1:
         return sources[0], [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
     return None
 
@@ -136,12 +144,22 @@ def includes_torch(path: Path, include_dirs: list[Path]) -> bool:
     return any((included := INCLUDE.match(line)) and included[1] == HEADER for line in local_lines(path, include_dirs))
 
 
-def uses_openmp(path: Path, include_dirs: list[Path]) -> bool:
-    return any(OPENMP.match(line) for line in local_lines(path, include_dirs))
+def writes_openmp(path: Path) -> bool:
+    """Whether the source itself uses OpenMP: a pragma, a call to its runtime, or ATen's parallel_for (OpenMP's
+    threads in torch's builds). What its headers hold is known only once compiled (`calls_openmp`)."""
+    return bool(OPENMP.search(path.read_text(errors="replace")))
+
+
+def calls_openmp(obj: Path) -> bool:
+    """Whether the object calls an OpenMP runtime (clang's __kmpc_*, or omp_* and GOMP_*); True when it cannot tell."""
+    nm = shutil.which("nm")
+    listed = subprocess.run([nm, "-u", str(obj)], capture_output=True, text=True) if nm else None
+    return listed is None or listed.returncode != 0 or bool(OPENMP_CALL.search(listed.stdout))
 
 
 # ----------------------------------------------------------------------------- clang, where it is at hand
-OPENMP = re.compile(r"\s*#\s*pragma\s+omp\b")
+OPENMP = re.compile(r"^\s*#\s*pragma\s+omp\b|\bparallel_for\b|\bomp_\w+\s*\(", re.MULTILINE)
+OPENMP_CALL = re.compile(r"^\s*U\s+(__kmpc_|omp_|GOMP_)", re.MULTILINE)
 CLANG = "clang"  # Debian's clang, unpacked into the venv by make setup where the system has none
 
 
@@ -160,26 +178,31 @@ def find_clang() -> tuple[str, dict] | None:
 
 
 def compiled_with_clang(args: list[str]) -> bool | None:
-    """Compile `args`' source with clang and torch/extension.h precompiled where that is asked and can be done (see
-    the module's docstring). True: compiled. False: GCC compiles it without a header of its own: it uses OpenMP, or
-    clang failed on it. None: not clang's (another op, a link, a source without torch, no clang, or clang's header
-    did not compile), and GCC compiles it as it did before clang."""
-    source = precompiling(args)
-    if source is None or not includes_torch(*source) or not (clang := find_clang()):
+    """Compile `args`' source with clang, torch/extension.h precompiled where that is asked and can be done (see the
+    module's docstring). True: compiled. False: GCC compiles it without a header of its own: it uses OpenMP, or clang
+    failed on it. None: not clang's (a link, a source without torch, no clang, or clang's header did not compile), and
+    GCC compiles it as it did before clang."""
+    found = extension_source(args)
+    if found is None or not includes_torch(*found) or not (clang := find_clang()):
         return None
     compiler, env = clang
-    flags = [a for a in [*args, "-g0"] if a != "-fopenmp"]  # the source uses no OpenMP: nothing to link against
-    if uses_openmp(*source):  # not waiting for clang's header: GCC's is wanted only where clang's failed already
-        return None if (header_folder(compiler, flags_of(flags)) / "failed").exists() else False
-    try:
-        pch = precompiled(compiler, flags_of(flags), env)
-    except OSError:
-        return None
-    if pch is None:
-        return None
-    if subprocess.run([compiler, *flags, "-include-pch", str(pch)], env=env, capture_output=True).returncode:
+    flags, precompile = [*args, "-g0"], precompiling(args) is not None
+    if writes_openmp(found[0]):  # not waiting for clang's header: GCC's is wanted only where clang's failed already
+        return None if precompile and (header_folder(compiler, flags_of(flags)) / "failed").exists() else False
+    pch = None
+    if precompile:
+        try:
+            pch = precompiled(compiler, flags_of(flags), env)
+        except OSError:
+            return None
+        if pch is None:
+            return None
+    if subprocess.run([compiler, *flags, *(["-include-pch", str(pch)] if pch else [])], env=env,
+                      capture_output=True).returncode:
         return False  # its messages dropped: GCC compiles the source next, and says what is wrong with it
-    if "-MF" in args:  # ninja's dependencies: the sources and headers, not the precompiled file (deleted after)
+    if "-o" not in args or calls_openmp(Path(args[args.index("-o") + 1])):  # a header's OpenMP, instantiated here
+        return False
+    if pch and "-MF" in args:  # ninja's dependencies: the sources and headers, not the precompiled file (deleted after)
         depfile = Path(args[args.index("-MF") + 1])
         depfile.write_text(depfile.read_text().replace(f" {pch.with_suffix('')} \\\n", " ", 1))
     return True
