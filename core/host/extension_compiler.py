@@ -13,7 +13,7 @@ deleted after the build) leave 6-7 s a source, and the NVMe ops' build 148 s of 
 An op of two or three sources would lose: the precompiled header costs two sources' parse.
 
 Where clang is at hand (the system's, or Debian's that `make setup` unpacks into the venv), an op's sources that
-include torch/extension.h compile with clang instead: 0.68-0.84x GCC's CPU time a source (an AMX Xeon, docs/tests.md),
+include torch/extension.h compile with clang instead: 0.69-0.84x GCC's CPU time a source (an AMX Xeon, docs/tests.md),
 and for the op named in $FABRIC_LAB_PRECOMPILE with its header precompiled, templates instantiated once
 (-fpch-instantiate-templates): GCC instantiates them again at the end of every source, 10 s of a source's 10-12 even
 with the header precompiled; clang's take 3-6 s after a 19-23 s header. clang compiles with the op's -fopenmp, and an
