@@ -71,15 +71,16 @@ $(VENV)/.libaio: $(VENV)/.installed
 	fi || echo "note: libaio was not fetched; --nvme-path is refused until libaio-dev is installed"
 	touch $@
 
-# DeepSpeed's NVMe op compiles its sources that include torch with clang where one is at hand, faster than GCC
-# (core/host/extension_compiler.py). Without the system's clang++, Debian's is unpacked into the venv as libaio is.
+# The ops' sources that include torch compile with clang where one is at hand, faster than GCC, with the ops' -fopenmp
+# (core/host/extension_compiler.py). Without a system clang++ that finds OpenMP's header, Debian's clang and libomp
+# headers are unpacked into the venv as libaio is.
 $(VENV)/.clang: $(VENV)/.installed
-	if ! command -v clang++ >/dev/null && command -v apt-get >/dev/null; then \
+	if ! echo '#include <omp.h>' | clang++ -fopenmp -x c++ -E - >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
 	  v=$$(apt-cache depends clang 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9][0-9]*\)$$/\1/p' | head -n 1); \
 	  rm -rf $(VENV)/clang && mkdir -p $(VENV)/clang && [ -n "$$v" ] && (cd $(VENV)/clang && \
 	  apt-get download -qq -o APT::Sandbox::User=root clang-$$v libclang-cpp$$v libllvm$$v libclang-common-$$v-dev \
 	    libomp-$$v-dev && for deb in *.deb; do dpkg-deb -x $$deb .; done && rm -f *.deb); \
-	fi || { rm -rf $(VENV)/clang; echo "note: clang was not fetched; DeepSpeed's NVMe op compiles with GCC alone"; }
+	fi || { rm -rf $(VENV)/clang; echo "note: clang was not fetched; the ops compile with GCC alone"; }
 	touch $@
 
 # Compiled once here, side by side, rather than inside the first run (or test) that needs them: DeepSpeed's CPU
@@ -91,7 +92,7 @@ $(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/g
 	touch $@
 SETUP += $(VENV)/.ops
 
-setup: $(SETUP) ## create .venv and install requirements.txt (libaio and clang for NVMe offload where the system lacks them)
+setup: $(SETUP) ## create .venv and install requirements.txt (libaio for NVMe offload, clang for faster op builds, where the system lacks them)
 
 lab: $(SETUP) ## the whole lab, fresh clone to report/REPORT.md; finished stages are skipped (FORCE=1 redoes them)
 	$(PY) -m lab --runs $(call quote,$(RUNS)) $(if $(filter 1 yes true,$(FORCE)),--force) $(call flag,STAGES,--stages)
