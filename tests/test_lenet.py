@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fabric_lenet
-from conftest import REPO, read_summary, run_in_process, run_script
+from conftest import REPO, read_summary, run_in_process, run_script, shared_dir
 from core.lenet import cpu_speed
 from core.lenet import figures as lenet_figures
 from core.host import warm_python
@@ -433,16 +433,19 @@ def test_every_schedule_steps_through_runs_of_any_length():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, mode):
+def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, tmp_path_factory, mode):
     """torch.compile'd LeNet-5 (the GPU recipe's path; reduce-overhead is CUDA graphs on a GPU) trains as the eager
     model does: the same test loss after two epochs of 2,200 images (4 x 512 + 152) with augmentation, to float32
     reordering, compiled once per shape: the full batch, the short last one, evaluation's (a recompile per epoch, or
-    conv1's dtype note failing a guard, adds one). On a CPU the run says that no graphs were captured, and why."""
+    conv1's dtype note failing a guard, adds one). On a CPU the run says that no graphs were captured, and why. The
+    eager run is made once for both modes."""
     common = ["--epochs", "2", "--train-samples", "2200", "--precision", "32-true", "--no-tb-images", "--accelerator",
-              "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--log-every", "5"]
-    run_in_process("fabric_lenet.py", *common, "--run-name", "eager")
-    proc = run_in_process("fabric_lenet.py", *common, "--compile", "--compile-mode", mode, "--run-name", "compiled")
-    eager, compiled = read_summary(tmp_path / "eager"), read_summary(tmp_path / "compiled")
+              "cpu", "--data-dir", mnist_dir, "--log-every", "5"]
+    eager_runs = shared_dir(tmp_path_factory, "lenet-eager-2200", lambda out: run_in_process(
+        "fabric_lenet.py", *common, "--out-dir", out, "--run-name", "eager"))
+    proc = run_in_process("fabric_lenet.py", *common, "--out-dir", tmp_path, "--compile", "--compile-mode", mode,
+                          "--run-name", "compiled")
+    eager, compiled = read_summary(eager_runs / "eager"), read_summary(tmp_path / "compiled")
     assert compiled["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-4)
     assert compiled["history"][-1]["train_loss"] == pytest.approx(eager["history"][-1]["train_loss"], rel=1e-4)
     assert (compiled["compiled_graphs"], compiled["compute_dtype"], eager["compiled_graphs"]) == (3, "torch.float32", None)
