@@ -144,6 +144,12 @@ def includes_torch(path: Path, include_dirs: list[Path]) -> bool:
     return any((included := INCLUDE.match(line)) and included[1] == HEADER for line in local_lines(path, include_dirs))
 
 
+# ----------------------------------------------------------------------------- clang, where it is at hand
+OPENMP = re.compile(r"^\s*#\s*pragma\s+omp\b|\bparallel_for\b|\bomp_\w+\s*\(", re.MULTILINE)
+OPENMP_CALL = re.compile(r"^\s*U\s+(__kmpc_|omp_|GOMP_)", re.MULTILINE)
+CLANG = "clang"  # Debian's clang, unpacked into the venv by make setup where the system has none
+
+
 def writes_openmp(path: Path) -> bool:
     """Whether the source itself uses OpenMP: a pragma, a call to its runtime, or ATen's parallel_for (OpenMP's
     threads in torch's builds). What its headers hold is known only once compiled (`calls_openmp`)."""
@@ -155,12 +161,6 @@ def calls_openmp(obj: Path) -> bool:
     nm = shutil.which("nm")
     listed = subprocess.run([nm, "-u", str(obj)], capture_output=True, text=True) if nm else None
     return listed is None or listed.returncode != 0 or bool(OPENMP_CALL.search(listed.stdout))
-
-
-# ----------------------------------------------------------------------------- clang, where it is at hand
-OPENMP = re.compile(r"^\s*#\s*pragma\s+omp\b|\bparallel_for\b|\bomp_\w+\s*\(", re.MULTILINE)
-OPENMP_CALL = re.compile(r"^\s*U\s+(__kmpc_|omp_|GOMP_)", re.MULTILINE)
-CLANG = "clang"  # Debian's clang, unpacked into the venv by make setup where the system has none
 
 
 def find_clang() -> tuple[str, dict] | None:
