@@ -27,6 +27,9 @@ def test_a_command_sees_what_a_real_interpreter_gives_it(tmp_path):
         0, f"['a', '--b'] {tmp_path} __main__ {real.stdout.split()[-1]}\n", "err\n")
     one = run(script, env={"OMP_NUM_THREADS": "1"})  # OpenMP reads it at load: applied as it would have been
     assert one.stdout.split()[-1] == "1"
+    # the server's imports looked up its temporary folder; the command's own TMPDIR is the one it gets
+    temp = run("-c", "import tempfile; print(tempfile.gettempdir())", env={"TMPDIR": str(tmp_path)})
+    assert temp.stdout == f"{tmp_path}\n", temp.stdout + temp.stderr
 
 
 def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():

@@ -237,6 +237,7 @@ def become_the_interpreter(argv: list[str], env: dict, cwd: str, mask: list[int]
     imported = {k: v for k, v in os.environ.items() if k not in START_ENV}  # what the imports set, as they would have
     os.environ.clear()
     os.environ.update({**imported, **env})
+    tempfile.tempdir = None  # the server's imports looked its TMPDIR up once; the child's own is read at its first use
     unbuffered = argv[0] == "-u" or bool(env.get("PYTHONUNBUFFERED"))
     while argv[0] == "-u":
         argv = argv[1:]
