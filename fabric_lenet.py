@@ -10,9 +10,12 @@ Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json an
 """
 
 import collections
+import contextlib
 import dataclasses
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -199,22 +202,26 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
         left = max(0, min(left, cfg.max_steps - progress.global_step)) if cfg.max_steps else left
         timer.start()
         t_fetch = time.perf_counter()
-        for n, batch in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
-            shape = batch[0].shape if batch else "whole step"  # the whole step: warm-up steps, then its capture
-            shapes[shape] += 1
-            data_wait += time.perf_counter() - t_fetch
-            with host_sync_forbidden(cfg.sync_check and shapes[shape] > 3 + bool(whole)):  # after warm-up and capture
-                loss = whole() if whole else train_step(fabric, model, optimizer, scheduler, *batch, cfg,
-                                                        progress.global_step)
-            timer.stop()  # the step and the fetch of its batch: training time; check points below are not
-            progress.step_in_epoch += 1
-            progress.global_step += 1
-            seen += n * world
-            losses.add(progress.global_step, loss, weight=n)
-            if check_point(run, model, losses, timer, test_tensors):
-                break
-            timer.start()
-            t_fetch = time.perf_counter()
+        # a stop raised mid-epoch closes the batches there: a DataLoader's workers end as at an epoch's end, cleaning
+        # up after themselves, not terminated by the interpreter's exit (which leaves their /tmp/pymp-* folders)
+        with contextlib.closing(batches):
+            for n, batch in progress_bar(fabric, batches, left, f"epoch {epoch + 1}/{cfg.epochs}"):
+                shape = batch[0].shape if batch else "whole step"  # the whole step: warm-up steps, then its capture
+                shapes[shape] += 1
+                data_wait += time.perf_counter() - t_fetch
+                # after warm-up and capture
+                with host_sync_forbidden(cfg.sync_check and shapes[shape] > 3 + bool(whole)):
+                    loss = whole() if whole else train_step(fabric, model, optimizer, scheduler, *batch, cfg,
+                                                            progress.global_step)
+                timer.stop()  # the step and the fetch of its batch: training time; check points below are not
+                progress.step_in_epoch += 1
+                progress.global_step += 1
+                seen += n * world
+                losses.add(progress.global_step, loss, weight=n)
+                if check_point(run, model, losses, timer, test_tensors):
+                    break
+                timer.start()
+                t_fetch = time.perf_counter()
         fold_losses(run, losses, timer)  # the epoch's last steps
         speed = {"epoch_time_s": progress.train_time_s - epoch_start_time, "seen": seen, "data_wait": data_wait}
         result = end_epoch(run, model, test_tensors, epoch, speed, epoch_steps, timer)
@@ -369,6 +376,11 @@ def validate(cfg: Config) -> dict | None:
                           "--no-channels-last computes in NCHW, where it would pad nothing; drop one of them")
     if cfg.num_workers and cfg.data != "loader":
         raise ConfigError("--num-workers applies to --data loader only; the in-memory path has no workers")
+    # each worker hands its batches over by a Unix socket at $TMPDIR/pymp-<8>/listener-<8>: 107 bytes at most
+    if cfg.num_workers and len(os.fsencode(tempfile.gettempdir())) > 75:
+        raise ConfigError(f"--num-workers {cfg.num_workers}: the temporary folder {tempfile.gettempdir()} is longer "
+                          "than the 75 bytes a DataLoader worker's socket path leaves it (no batch would reach the "
+                          "training: it fails or waits forever); set TMPDIR to a shorter folder, e.g. TMPDIR=/tmp")
     if cfg.gelu_approximate != "none" and not cfg.activation.startswith("gelu"):
         raise ConfigError(f"--gelu-approximate {cfg.gelu_approximate} is the form of the gelu_* activations and "
                           f"--activation {cfg.activation} computes no GELU; add --activation gelu_torch (or gelu_py, "

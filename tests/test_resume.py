@@ -2,9 +2,11 @@
 uninterrupted run ends; bad checkpoints and non-finite losses end in one clear message."""
 
 import contextlib
+import shutil
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +50,7 @@ def reference(mnist_dir, tmp_path_factory):
 
 @pytest.mark.slow  # a run in a process of its own
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGUSR1])
-def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
+def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, request, sig):
     """Killed, stopped with Ctrl-C, or (in a SLURM job) asked to requeue: the run resumes to the uninterrupted one.
     The Ctrl-C run reads through a DataLoader worker, which the terminal's signal reaches too: one acknowledgement,
     the rank's, and the loader's batches resume as exactly as the in-memory ones."""
@@ -56,7 +58,11 @@ def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
 
     loader = ["--data", "loader", "--num-workers", "1"] if sig == signal.SIGINT else []
     args = [*ARGS, *loader, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "cut"]
-    proc = start(args, slurm_job(tmp_path) if sig == signal.SIGUSR1 else None)
+    # the run's TMPDIR, where a DataLoader worker keeps a folder while it lives; short: the worker binds a socket there,
+    # and a Unix socket's path is at most 107 bytes (a folder under tmp_path leaves the loader waiting forever)
+    temp = Path(tempfile.mkdtemp(prefix="cut-"))
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
+    proc = start(args, {**(slurm_job(tmp_path) if sig == signal.SIGUSR1 else os.environ), "TMPDIR": str(temp)})
     wait_for_checkpoint(tmp_path / "cut", proc)
     os.killpg(proc.pid, sig)
     output = proc.communicate(timeout=120)[0]
@@ -67,6 +73,8 @@ def test_interrupted_run_resumes_exactly(reference, mnist_dir, tmp_path, sig):
         assert proc.returncode == 128 + signal.SIGINT, output
         assert "SIGINT received: saved" in output and "--resume auto" in output
         assert output.count("SIGINT received: stopping at the next step boundary") == 1, output
+        # the worker ended with the epoch it was in, as at an epoch's end (not terminated at the interpreter's exit)
+        assert not list(temp.glob("pymp-*")), "the stopped run left its DataLoader worker's folder"
     else:
         assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "cut" / "record.json").exists(), "the run must have been cut before its end"
