@@ -332,8 +332,9 @@ NVME_SUB_GROUP, NVME_PARAM_BUFFERS, NVME_MAX_IN_CPU = 2.5e7, 8 * 4.1e7, 5e7
 # measured per process), GPT-2 small's width with 4 blocks on one process 1.0-3.9% under (float32, bf16, checkpointing,
 # micro-batch 2 and 8, AVX-512 EPYC; tests/test_gpt.py; freed_but_resident: counting every freed tensor planned the
 # bf16 run with checkpointing 7.0% over there; a Xeon with AVX-512 BF16: the training term alone 1.3% under at
-# micro-batch 2, 0.2% under at 8): a run is refused when the plan plus this share does not fit, rather
-# than a flat 10% that refused the documented 1.6B command on a 24 GiB machine
+# micro-batch 2, 0.2% under at 8; the AMX Xeon with checkpointed_copies_resident: -0.5% and +0.4%, and 2.5% under for
+# micro-batch 1 at sequence 32, 5.3% under without them): a run is refused when the plan plus this share does not
+# fit, rather than a flat 10% that refused the documented 1.6B command on a 24 GiB machine
 HOST_PLAN_MARGIN = 0.05
 
 
@@ -363,7 +364,7 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
         construction = (0 if on_gpu else partition * word) + 4 * largest_layer_params(cfg)
     else:
         construction = 4 * n_params
-    training = offload + (0 if on_gpu else device_plan["total"])
+    training = offload + (0 if on_gpu else device_plan["total"] + checkpointed_copies_resident(cfg))
     # Saving through Fabric's single-file checkpoint (one process, ddp) serializes the whole file into memory
     # first (lightning's _atomic_save writes a BytesIO): the weights and optimizer states, once more. The gradients,
     # freed after the step, are partly still in the process's heap, and so are autocast's 16-bit weight copies
@@ -380,6 +381,19 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
 # glibc serves an allocation of 32 MiB or more (its largest mmap threshold) from mmap and unmaps it when freed;
 # smaller blocks go back to the heap for reuse, where the process's resident memory still counts them
 MMAP_THRESHOLD = 32 * 2**20
+
+
+def checkpointed_copies_resident(cfg) -> float:
+    """Under autocast with checkpointing, the forward still makes every block's 16-bit weight copies (autocast's cache
+    keeps them until the forward ends) where the device plan counts one block's, alive in its backward; freed, the
+    copies under glibc's mmap threshold stay in the heap. Measured with mallinfo2 at the peak of a bf16 run with
+    checkpointing (GPT-2 small's width, 4 blocks, micro-batch 1, sequence 32, AMX Xeon): 0.054 GiB of freed heap."""
+    autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed
+    if not (cfg.grad_checkpointing and autocast) or fsdp_gathers_bf16(cfg):  # as activation_bytes counts the copies
+        return 0.0
+    h = cfg.n_embd
+    block = sum(n * 2 for n in (3 * h * h, h * h, 4 * h * h, 4 * h * h) if n * 2 < MMAP_THRESHOLD)
+    return (-(-cfg.n_layer // cfg.layout.pp_size) - 1) * block
 
 
 def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> float:
