@@ -2,8 +2,8 @@
 uninterrupted run ends; bad checkpoints and non-finite losses end in one clear message."""
 
 import contextlib
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import tempfile

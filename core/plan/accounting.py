@@ -391,8 +391,8 @@ def checkpointed_copies_resident(cfg) -> float:
     autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed
     if not (cfg.grad_checkpointing and autocast) or fsdp_gathers_bf16(cfg):  # as activation_bytes counts the copies
         return 0.0
-    h = cfg.n_embd
-    block = sum(n * 2 for n in (3 * h * h, h * h, 4 * h * h, 4 * h * h) if n * 2 < MMAP_THRESHOLD)
+    h, t = cfg.n_embd, cfg.layout.tp_size  # tensor parallel: each rank's shard of a block's matrices
+    block = sum(n * 2 / t for n in (3 * h * h, h * h, 4 * h * h, 4 * h * h) if n * 2 / t < MMAP_THRESHOLD)
     return (-(-cfg.n_layer // cfg.layout.pp_size) - 1) * block
 
 
