@@ -244,6 +244,11 @@ def held_states_plan(cfg, P: int) -> dict:
             "optimizer": 4 * moments * P / N}
 
 
+def runs_autocast(cfg) -> bool:
+    """16-bit autocast around float32 weights (DeepSpeed runs 16-bit "mixed" as 16-bit weights, no autocast)."""
+    return cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed
+
+
 def activation_bytes(cfg, attn_implementation: str) -> dict:
     """Bytes saved for backward by one micro-batch, counted from what HF GPT-2 actually saves (listed with
     torch.autograd.graph.saved_tensors_hooks on CPU; tests/test_gpt.py compares the two). Per block and per
@@ -263,7 +268,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     # DeepSpeed runs 16-bit "mixed" as 16-bit weights and activations, no autocast: like bf16-true
     lay = cfg.layout
-    autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not lay.deepspeed
+    autocast = runs_autocast(cfg)
     w = 2 if half else 4
     r = 4 if (autocast or not half) and not fsdp_gathers_bf16(cfg) else 2  # bf16 gathers: bf16 inside the blocks
     t, p = lay.tp_size, lay.pp_size
@@ -383,17 +388,26 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
 MMAP_THRESHOLD = 32 * 2**20
 
 
+def block_matrices(cfg) -> tuple:
+    """Elements of a block's weight matrices: c_attn, attn.c_proj, c_fc, mlp.c_proj."""
+    h = cfg.n_embd
+    return 3 * h * h, h * h, 4 * h * h, 4 * h * h
+
+
+def heap_resident(numels, nbytes: int) -> float:
+    """Bytes of those tensors (`numels` elements of `nbytes` each) that glibc keeps in the heap once freed."""
+    return sum(n * nbytes for n in numels if n * nbytes < MMAP_THRESHOLD)
+
+
 def checkpointed_copies_resident(cfg) -> float:
     """Under autocast with checkpointing, the forward still makes every block's 16-bit weight copies (autocast's cache
     keeps them until the forward ends) where the device plan counts one block's, alive in its backward; freed, the
     copies under glibc's mmap threshold stay in the heap. Measured with mallinfo2 at the peak of a bf16 run with
     checkpointing (GPT-2 small's width, 4 blocks, micro-batch 1, sequence 32, AMX Xeon): 0.054 GiB of freed heap."""
-    autocast = cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed
-    if not (cfg.grad_checkpointing and autocast) or fsdp_gathers_bf16(cfg):  # as activation_bytes counts the copies
+    if not (cfg.grad_checkpointing and runs_autocast(cfg)) or fsdp_gathers_bf16(cfg):  # no copies (activation_bytes)
         return 0.0
-    h, t = cfg.n_embd, cfg.layout.tp_size  # tensor parallel: each rank's shard of a block's matrices
-    block = sum(n * 2 / t for n in (3 * h * h, h * h, 4 * h * h, 4 * h * h) if n * 2 / t < MMAP_THRESHOLD)
-    return (-(-cfg.n_layer // cfg.layout.pp_size) - 1) * block
+    t = cfg.layout.tp_size  # tensor parallel: each rank's shard of a block's matrices
+    return (-(-cfg.n_layer // cfg.layout.pp_size) - 1) * heap_resident([n / t for n in block_matrices(cfg)], 2)
 
 
 def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> float:
@@ -403,14 +417,10 @@ def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> floa
     stay. Measured with mallinfo2 before a save (GPT-2 small's width, 4 blocks, AVX-512 EPYC): 0.165 GiB of freed
     heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing (0.239; every freed tensor counted, 0.375)."""
     h, V, L, s, b = cfg.n_embd, model_vocab(cfg), cfg.n_layer, positions(cfg), cfg.micro_batch_size
-    matrices = (3 * h * h, h * h, 4 * h * h, 4 * h * h)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-
-    def resident(numels, nbytes):
-        return sum(n * nbytes for n in numels if n * nbytes < MMAP_THRESHOLD)
-
+    matrices = block_matrices(cfg)
     biases_and_norms = block_params(cfg) - sum(matrices)
-    grads = resident((V * h, s * h), word) + L * (resident(matrices, word) + biases_and_norms * word)
-    weight_copies = L * resident(matrices, 2) + resident((V * h,), 2) if copies else 0
+    grads = heap_resident((V * h, s * h), word) + L * (heap_resident(matrices, word) + biases_and_norms * word)
+    weight_copies = L * heap_resident(matrices, 2) + heap_resident((V * h,), 2) if copies else 0
     return grads + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)  # c_fc's output
 
 

@@ -239,7 +239,7 @@ def element_bytes(cfg) -> dict:
     half = cfg.precision in ("16-mixed", "bf16-mixed", "bf16-true")
     weights = accounting.weight_bytes(cfg)
     matmul_out = 2 if half else 4  # autocast's matmuls return 16-bit tensors
-    residual = 4 if cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed else matmul_out
+    residual = 4 if accounting.runs_autocast(cfg) else matmul_out
     return {"grad": weights, "param": weights, "matmul_out": matmul_out, "residual": residual}
 
 
