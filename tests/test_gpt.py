@@ -1237,6 +1237,20 @@ def test_auto_attention_precision_follows_the_measurement(monkeypatch):
     assert len(asked) == calls  # nothing measured where nothing is to be decided
 
 
+def test_the_attention_probe_of_a_long_sequence_is_measured_at_most_the_kernels_block_scale(tmp_path, monkeypatch):
+    """--attention-precision auto on a 100,000-position run: the probe times SDPA at 2,048 positions (past 768 the CPU
+    kernel's blocks are the same), in seconds, where the run's own length took minutes a call; shorter runs keep
+    their own length. The cache entry says which shape was timed."""
+    from core.gpt import gpt_model
+
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
+    for positions, timed in ((100_000, gpt_model.ATTENTION_PROBE_POSITIONS), (64, 64)):
+        gpt_model.float32_attention_faster(2, positions, 16, 1, torch.bfloat16, 1)
+        entries = [json.loads(name) for name in json.loads((tmp_path / "cpu-probe.json").read_text())]
+        assert entries[-1]["kind"] == "attention" and entries[-1]["seq_len"] == timed, entries[-1]
+    assert gpt_model.ATTENTION_PROBE_POSITIONS == 2048 and len(entries) == 2
+
+
 def test_auto_precision_is_bf16_on_gpus_and_float32_without_bf16_instructions(monkeypatch):
     """--precision auto (the default): bf16 autocast on GPUs and in plans for them, resolved with the flags; on a CPU
     without bf16 instructions float32, with nothing measured (torch would emulate bf16)."""

@@ -5,6 +5,7 @@ the counted traffic of real 2-process runs."""
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,19 @@ def test_a_short_measurement_never_waits_for_the_cache_and_is_stored_when_it_is_
     assert measurements.cached("peak", {"n": 1}, None, allow_measure=False) is None
     assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 8) == 8
     assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 9) == 8
+
+
+def test_a_call_that_outlasts_its_measurement_is_timed_once_after_its_first():
+    """seconds_per_call: a call longer than the whole measurement (a probe at a shape that takes minutes) runs twice,
+    the second timed alone, not the two warm-ups and three windows of two calls a short call gets."""
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.05)
+    assert measurements.seconds_per_call(slow, seconds=0.01) >= 0.05 and len(calls) == 2
+    calls.clear()
+    assert measurements.seconds_per_call(lambda: calls.append(1), seconds=0.01) < 0.01 and len(calls) >= 8
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "pp", "fsdp_tp", "deepspeed_stage_1",

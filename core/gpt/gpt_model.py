@@ -298,12 +298,18 @@ def compute_dtype(precision: str, deepspeed: bool) -> tuple[torch.dtype, torch.d
     return torch.float32, half
 
 
+# ATen's CPU flash attention splits past 768 positions into blocks of 256 queries x 512 keys (FlashAttentionKernel.cpp)
+ATTENTION_PROBE_POSITIONS = 2048
+
+
 def float32_attention_faster(heads: int, seq_len: int, head_dim: int, micro_batch: int, dtype: torch.dtype,
                              n_threads: int) -> bool:
     """Whether SDPA's forward and backward at this shape run faster in float32 than in the run's 16-bit dtype here
     (cached). On the AVX-512 BF16 EPYC the CPU flash kernel's bf16 backward took 4x its float32 time, more than the
-    bf16 matmuls save; a CPU with AMX or without bf16 instructions may differ, so it is measured, not assumed."""
-    settings = {"heads": heads, "seq_len": seq_len, "head_dim": head_dim, "micro_batch": micro_batch,
+    bf16 matmuls save; a CPU with AMX or without bf16 instructions may differ, so it is measured, not assumed.
+    Measured at most ATTENTION_PROBE_POSITIONS long: the kernel's blocks are the same past them, and the run's own
+    length (a 100,000-position run's forward and backward took minutes a call) would cost more than the run."""
+    settings = {"heads": heads, "seq_len": min(seq_len, ATTENTION_PROBE_POSITIONS), "head_dim": head_dim, "micro_batch": micro_batch,
                 "dtype": str(dtype), "threads": n_threads}
     return cached("attention", settings, lambda: _measure_attention(settings, dtype, n_threads))["float32_faster"]
 
