@@ -772,12 +772,14 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path, args, saves):
     (7 minutes a step otherwise)."""
     if "bf16-mixed" in args and not hardware.native_bf16():
         args = [*args[:-1], "1", "--seq-len", "32", "--vocab-size", "4096"]
-    run_script("fabric_gpt.py", "--model", "gpt2", "--n-layer", "4", "--seq-len", "128", *args, "--num-samples", "16",
-               "--steps", "2", "--accelerator", "cpu", "--out-dir", tmp_path, "--run-name", "host", cold=True)
+    proc = run_script("fabric_gpt.py", "--model", "gpt2", "--n-layer", "4", "--seq-len", "128", *args, "--num-samples",
+                      "16", "--steps", "2", "--accelerator", "cpu", "--out-dir", tmp_path, "--run-name", "host", cold=True)
     rec = record(tmp_path, "host")
     plan, measured = rec["host_plan"], rec["memory"]["max_rss_gb"] * 2**30
     planned = plan["per_process"] if saves else plan["baseline"] + plan["training"]
     assert planned == pytest.approx(measured, rel=accounting.HOST_PLAN_MARGIN), (planned / 2**30, measured / 2**30)
+    # the summary reads the peak against this plan, not against the device plan's states alone
+    assert f"host {plan['per_process'] / 2**30:.3g} a process (libraries {plan['baseline'] / 2**30:.3g}" in proc.stdout
 
 
 FAKE_SRUN = """#!/bin/bash

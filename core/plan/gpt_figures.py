@@ -186,7 +186,8 @@ def print_summary(fabric, r: dict) -> None:
                     f"{'TFLOPS per device':<22}{r['tflops_per_device']:.3f} (6N+attention), "
                     f"{r['tflops_per_device_8n']:.3f} (course, 8N)\n"
                     f"{'MFU':<22}{mfu}\n" if timed else f"{'step time':<22}{not_timed}\n")
-                 + f"{'peak memory (GiB)':<22}{mem} in training; planned {r['planned_gb']:.3g}; set-up peak {setup}\n"
+                 + f"{'peak memory (GiB)':<22}{mem} in training; set-up peak {setup}\n"
+                 f"{'planned (GiB)':<22}{planned_memory(r)}\n"
                  f"{'loss first / last':<22}" + (f"{r['first_loss']:.4f} / {r['final_loss']:.4f}" if r["losses"] else
                                                   "none logged (no log point among the steps trained)")
                  + (f"\n{'val loss first / last':<22}{r['val_losses'][0][1]:.4f} / {r['val_loss']:.4f} (step "
@@ -195,6 +196,14 @@ def print_summary(fabric, r: dict) -> None:
                  + (f"\n{'predicted step':<22}{1e3 * r['predicted']['step_time_s']:.1f} ms on {r['predicted']['cluster']} from "
                     f"{prediction_source(r['predicted'])} (perf_model.py)"
                     if r.get("predicted") else ""))
+
+
+def planned_memory(r: dict) -> str:
+    """The plans beside the measured peaks: the device's (what max_allocated counts on a GPU) and, on any machine, a
+    process's host memory, the one a CPU run's max_rss_gb is to be read against (records older than it: the first)."""
+    host = r.get("host_plan")
+    return f"device {r['planned_gb']:.3g} (states and activations)" + (
+        f"; host {host['per_process'] / 2**30:.3g} a process (libraries {host['baseline'] / 2**30:.3g})" if host else "")
 
 
 def prediction_source(predicted: dict) -> str:
