@@ -39,12 +39,15 @@ def fsdp_gathers_bf16(cfg) -> bool:
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
+REDUCE_BUCKET = int(2e8)  # elements; ZeRO-3 keeps a gradient bucket this long (accounting.zero3_bucket)
+
+
 def deepspeed_config(cfg) -> dict:
     """Written out rather than left to defaults: accumulation and clipping must live here under DeepSpeed
     (Fabric's no_backward_sync and clip_gradients do not apply), and offload targets are explicit."""
     L = cfg.layout
     zero = {"stage": L.zero_stage, "contiguous_gradients": True, "overlap_comm": True,
-            "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8}
+            "reduce_bucket_size": REDUCE_BUCKET, "allgather_bucket_size": 2e8}
     if L.offload:
         target = {"device": "nvme", "nvme_path": cfg.nvme_path} if cfg.nvme_path else {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = dict(target)

@@ -11,7 +11,7 @@ import torch
 
 from core.gpt.chunked_loss import CHUNK
 from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, has_biases, model_vocab, positions
-from core.gpt.strategies import deepspeed_on_cpu, fsdp_gathers_bf16
+from core.gpt.strategies import REDUCE_BUCKET, deepspeed_on_cpu, fsdp_gathers_bf16
 from core.run import measurements
 from core.run.flags import ConfigError
 
@@ -249,6 +249,9 @@ def runs_autocast(cfg) -> bool:
     return cfg.precision in ("16-mixed", "bf16-mixed") and not cfg.layout.deepspeed
 
 
+LOSS_BYTES_PER_LOGIT = 12  # the loss's peak: three float32 tensors of the logits' size (activation_bytes)
+
+
 def activation_bytes(cfg, attn_implementation: str) -> dict:
     """Bytes saved for backward by one micro-batch, counted from what HF GPT-2 actually saves (listed with
     torch.autograd.graph.saved_tensors_hooks on CPU; tests/test_gpt.py compares the two). Per block and per
@@ -281,10 +284,13 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     weight_copies = 12 * h * h * 2 / t if autocast and not fsdp_gathers_bf16(cfg) else 0
     head_copy = V * h * 2 if autocast else 0  # lm_head's (the tied embedding's) 16-bit copy
     head = s * b * h * (r + w) + head_copy  # ln_f's input and output, and that copy
-    # logits (w), log_softmax's float32 output saved by the loss, and the float32 gradient made in backward; the
-    # chunked loss (chunked_loss.py) holds one chunk's float32 logits and their 16-bit copy, the head's float32
-    # gradient and the hidden states' gradient, all made in forward
-    logits = s * b * V * (w + 4 + 4) / t
+    # the loss at its peak, in backward: log_softmax's float32 output (saved), the float32 gradient nll_loss makes
+    # of it and the float32 gradient of the logits made from those two, 12 bytes a logit whatever the logits' own
+    # word (measured: 12.2-12.4 with bf16 or float32 logits, N=4096 x V=50257 on a CPU, docs/gpt.md); in forward
+    # the logits, their float32 copy and that output are w + 8 at most. The chunked loss (chunked_loss.py) holds one
+    # chunk's float32 logits and their 16-bit copy, the head's float32 gradient and the hidden states' gradient,
+    # all made in forward
+    logits = s * b * V * LOSS_BYTES_PER_LOGIT / t
     logits_gradient = s * b * V * 4 / t
     if getattr(cfg, "chunked_loss", False):
         logits, logits_gradient = min(s * b, CHUNK) * V * (4 + w) + V * h * 4 + s * b * h * w, 0
@@ -369,7 +375,7 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
         construction = (0 if on_gpu else partition * word) + 4 * largest_layer_params(cfg)
     else:
         construction = 4 * n_params
-    training = offload + (0 if on_gpu else device_plan["total"] + checkpointed_copies_resident(cfg))
+    training = offload + (0 if on_gpu else device_plan["total"] + checkpointed_copies_resident(cfg) + zero3_bucket(cfg))
     # Saving through Fabric's single-file checkpoint (one process, ddp) serializes the whole file into memory
     # first (lightning's _atomic_save writes a BytesIO): the weights and optimizer states, once more. The gradients,
     # freed after the step, are partly still in the process's heap, and so are autocast's 16-bit weight copies
@@ -381,6 +387,15 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
     per_process = baseline + max(construction, training, checkpoint)
     return {"baseline": baseline, "construction": construction, "offload": offload, "training": training,
             "checkpoint": checkpoint, "per_process": per_process, "machine": per_process * cfg.devices}
+
+
+def zero3_bucket(cfg) -> float:
+    """ZeRO-3 across data-parallel ranks on a CPU: DeepSpeed's gradient bucket (contiguous_gradients), allocated
+    whole at REDUCE_BUCKET elements of the weights' word, resident whatever the model's size. Measured (GPT-2 small's
+    width, 4 blocks, micro-batch 4, sequence 1024, 2 ranks, AMX Xeon): the peak 0.38 GiB over the plan under bf16
+    and 0.80 GiB in float32 without it, 0.1 GiB on one rank (docs/gpt.md)."""
+    lay = cfg.layout
+    return REDUCE_BUCKET * weight_bytes(cfg) if lay.deepspeed and lay.zero_stage == 3 and lay.dp_size > 1 else 0.0
 
 
 # glibc serves an allocation of 32 MiB or more (its largest mmap threshold) from mmap and unmaps it when freed;
