@@ -390,12 +390,14 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
 
 
 def zero3_bucket(cfg) -> float:
-    """ZeRO-3 across data-parallel ranks on a CPU: DeepSpeed's gradient bucket (contiguous_gradients), allocated
-    whole at REDUCE_BUCKET elements of the weights' word, resident whatever the model's size. Measured (GPT-2 small's
-    width, 4 blocks, micro-batch 4, sequence 1024, 2 ranks, AMX Xeon): the peak 0.38 GiB over the plan under bf16
-    and 0.80 GiB in float32 without it, 0.1 GiB on one rank (docs/gpt.md)."""
+    """ZeRO-3 across data-parallel ranks on a CPU, without offload: DeepSpeed's gradient bucket (contiguous_gradients),
+    allocated whole at REDUCE_BUCKET elements of the weights' word, resident whatever the model's size. Measured
+    (GPT-2 small's width, 4 blocks, micro-batch 4, sequence 1024, 2 ranks, AMX Xeon): the peak 0.38 GiB over the plan
+    under bf16 and 0.80 GiB in float32 without it, 0.1 GiB on one rank (docs/gpt.md). ZeRO-Infinity's 1.6B run
+    peaked 4-8% under its plan without it, so offload's plan, measured on its own, is left as it was."""
     lay = cfg.layout
-    return REDUCE_BUCKET * weight_bytes(cfg) if lay.deepspeed and lay.zero_stage == 3 and lay.dp_size > 1 else 0.0
+    return REDUCE_BUCKET * weight_bytes(cfg) if (lay.deepspeed and lay.zero_stage == 3 and lay.dp_size > 1
+                                                 and not lay.offload) else 0.0
 
 
 # glibc serves an allocation of 32 MiB or more (its largest mmap threshold) from mmap and unmaps it when freed;
