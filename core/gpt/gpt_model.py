@@ -309,8 +309,8 @@ def float32_attention_faster(heads: int, seq_len: int, head_dim: int, micro_batc
     bf16 matmuls save; a CPU with AMX or without bf16 instructions may differ, so it is measured, not assumed.
     Measured at most ATTENTION_PROBE_POSITIONS long: the kernel's blocks are the same past them, and the run's own
     length (a 100,000-position run's forward and backward took minutes a call) would cost more than the run."""
-    settings = {"heads": heads, "seq_len": min(seq_len, ATTENTION_PROBE_POSITIONS), "head_dim": head_dim, "micro_batch": micro_batch,
-                "dtype": str(dtype), "threads": n_threads}
+    settings = {"heads": heads, "seq_len": min(seq_len, ATTENTION_PROBE_POSITIONS), "head_dim": head_dim,
+                "micro_batch": micro_batch, "dtype": str(dtype), "threads": n_threads}
     return cached("attention", settings, lambda: _measure_attention(settings, dtype, n_threads))["float32_faster"]
 
 

@@ -286,7 +286,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     head = s * b * h * (r + w) + head_copy  # ln_f's input and output, and that copy
     # the loss at its peak, in backward: log_softmax's float32 output (saved), the float32 gradient nll_loss makes
     # of it and the float32 gradient of the logits made from those two, 12 bytes a logit whatever the logits' own
-    # word (measured: 12.2-12.4 with bf16 or float32 logits, N=4096 x V=50257 on a CPU, docs/gpt.md); in forward
+    # word (measured: 12.0-12.4 with bf16 or float32 logits, 2,048-4,096 x 50,257 on a CPU, docs/gpt.md); in forward
     # the logits, their float32 copy and that output are w + 8 at most. The chunked loss (chunked_loss.py) holds one
     # chunk's float32 logits and their 16-bit copy, the head's float32 gradient and the hidden states' gradient,
     # all made in forward
