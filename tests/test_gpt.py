@@ -784,7 +784,7 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path, args, saves):
 
 LOSS_PEAK = """
 import resource, sys, psutil, torch, torch.nn.functional as F
-N, V, H = 2048, 50257, 64
+N, V, H = 2048, 50257, 8
 hidden, head = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
 targets = torch.randint(0, V, (N,))
 def loss(n):  # as transformers' causal-LM loss: the logits in the run's word, then in float32 into cross_entropy
