@@ -209,7 +209,7 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
                 shape = batch[0].shape if batch else "whole step"  # the whole step: warm-up steps, then its capture
                 shapes[shape] += 1
                 data_wait += time.perf_counter() - t_fetch
-                # after warm-up and capture
+                # the sync check starts once the shape's warm-up (and the whole step's capture) is done
                 with host_sync_forbidden(cfg.sync_check and shapes[shape] > 3 + bool(whole)):
                     loss = whole() if whole else train_step(fabric, model, optimizer, scheduler, *batch, cfg,
                                                             progress.global_step)
