@@ -53,17 +53,28 @@ help: ## list the targets
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
-SETUP := $(VENV)/.installed $(VENV)/.libaio $(VENV)/.clang
-$(VENV)/.installed: requirements.txt
+# pip installs on one core, so the set-up is a make of its own that runs its steps side by side: torch, ninja and
+# DeepSpeed first (all that the builds below import), then the rest of requirements.txt beside the builds.
+SETUP := $(VENV)/.setup
+$(VENV)/.setup: requirements.txt gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
+	@$(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j 3) $(VENV)/.installed $(VENV)/.gelu $(VENV)/.ops
+	@touch $@
+
+$(VENV)/.base: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch)
+	grep -E '^(torch|ninja|deepspeed)\b' requirements.txt > $(VENV)/base-requirements.txt
+	$(PY) -m pip install --quiet -r $(VENV)/base-requirements.txt
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 
 # DeepSpeed's NVMe offload (--nvme-path) compiles against libaio. Without the system's libaio-dev, Debian's
 # packages are unpacked into the venv (apt-get download needs no root); strategies.py points the build there.
-$(VENV)/.libaio: $(VENV)/.installed
+$(VENV)/.libaio: $(VENV)/.base
 	if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null; then \
 	  rm -rf $(VENV)/libaio && mkdir -p $(VENV)/libaio && cd $(VENV)/libaio && \
 	  { apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1 || apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1t64; } && \
@@ -74,7 +85,7 @@ $(VENV)/.libaio: $(VENV)/.installed
 # The ops' sources that include torch compile with clang where one is at hand, faster than GCC, with the ops' -fopenmp
 # (core/host/extension_compiler.py). Without a system clang++ that finds OpenMP's header, Debian's clang and libomp
 # headers are unpacked into the venv as libaio is.
-$(VENV)/.clang: $(VENV)/.installed
+$(VENV)/.clang: $(VENV)/.base
 	if ! echo '#include <omp.h>' | clang++ -fopenmp -x c++ -E - >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
 	  v=$$(apt-cache depends clang 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9][0-9]*\)$$/\1/p' | head -n 1); \
 	  rm -rf $(VENV)/clang && mkdir -p $(VENV)/clang && [ -n "$$v" ] && (cd $(VENV)/clang && \
@@ -83,14 +94,16 @@ $(VENV)/.clang: $(VENV)/.installed
 	fi || { rm -rf $(VENV)/clang; echo "note: clang was not fetched; the ops compile with GCC alone"; }
 	touch $@
 
-# Compiled once here, side by side, rather than inside the first run (or test) that needs them: DeepSpeed's CPU
-# ops (NVMe offload's are left to the first --nvme-path run) and the C++ GELU, its CUDA kernel only where a GPU
-# is (each recompiles by itself if its sources or torch change).
-$(VENV)/.ops: $(VENV)/.libaio gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
-	$(PY) -c "from core.gpt import strategies; strategies.build_cpu_ops()" & deepspeed=$$!; \
-	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')" && wait $$deepspeed
+# Compiled once here rather than inside the first run (or test) that needs them: the C++ GELU, its CUDA kernel only
+# where a GPU is, and DeepSpeed's CPU ops (NVMe offload's are left to the first --nvme-path run); each recompiles by
+# itself if its sources or torch change.
+$(VENV)/.gelu: $(VENV)/.base gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
+	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')"
 	touch $@
-SETUP += $(VENV)/.ops
+
+$(VENV)/.ops: $(VENV)/.base $(VENV)/.libaio $(VENV)/.clang
+	$(PY) -c "from core.gpt import strategies; strategies.build_cpu_ops()"
+	touch $@
 
 setup: $(SETUP) ## create .venv and install requirements.txt (libaio for NVMe offload, clang for faster op builds, where the system lacks them)
 
