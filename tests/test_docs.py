@@ -70,6 +70,24 @@ def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_pat
         assert f" -n {workers} --dist worksteal" in out.stdout.strip().splitlines()[-1], (available_kib, out.stdout)
 
 
+def test_make_setup_builds_beside_pip_not_after_it(tmp_path):
+    """pip installs on one core: once torch, ninja and DeepSpeed are in (`.base`), the C++ GELU and DeepSpeed's ops
+    build without waiting for the rest of requirements.txt, and `make setup` runs its steps side by side (-j 3)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".base").touch()  # newer than requirements.txt and the GELU's sources; nothing else made yet
+    for stamp in (".libaio", ".clang"):
+        (venv / stamp).touch()
+    builds = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={venv}", f"{venv}/.gelu", f"{venv}/.ops"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert "load_cpp()" in builds.stdout and "build_cpu_ops()" in builds.stdout, builds.stdout + builds.stderr
+    assert "-r requirements.txt" not in builds.stdout, builds.stdout
+    setup = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={venv}", "setup"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert " -j 3 " in setup.stdout and "-r requirements.txt" in setup.stdout, setup.stdout + setup.stderr
+
+
 def test_every_target_writes_and_reads_the_one_runs_folder():
     """`make lenet RUNS=x` then `make report RUNS=x` (or tb, sample, export): the targets that write runs and those
     that read them take the same folder (lenet and gpt once wrote into runs/ whatever RUNS said), as one word even
