@@ -560,7 +560,7 @@ def saved_for_backward(cfg) -> int:
                                                   ("bf16-mixed", "float32")])
 def test_planned_activations_match_what_autograd_saves(precision, attention):
     """The plan's activations against the bytes saved for backward, measured with saved_tensors_hooks on CPU
-    (the plan also counts the logits' gradient, made in backward): within 10%, with attention in bf16 and in float32.
+    (the plan also counts the loss's gradients, made in backward): within 10%, with attention in bf16 and in float32.
     Checkpointing is left out: its own hooks keep the block inputs where an outer hook cannot see them."""
     cfg = gpt.resolve(gpt.Config(model="small", n_layer=4, seq_len=128, micro_batch_size=2, vocab_size=1000,
                                  precision=precision, accelerator="cpu", attention_precision=attention))

@@ -255,6 +255,7 @@ def runs_autocast(cfg) -> bool:
 
 
 LOSS_BYTES_PER_LOGIT = 12  # the loss's peak: three float32 tensors of the logits' size (activation_bytes)
+LOSS_SAVED_PER_LOGIT = 4  # of them saved in forward: log_softmax's float32 output, whatever the logits' word
 
 
 def activation_bytes(cfg, attn_implementation: str) -> dict:
@@ -296,7 +297,7 @@ def activation_bytes(cfg, attn_implementation: str) -> dict:
     # chunk's float32 logits and their 16-bit copy, the head's float32 gradient and the hidden states' gradient,
     # all made in forward
     logits = s * b * V * LOSS_BYTES_PER_LOGIT / t
-    logits_gradient = s * b * V * 4 / t
+    logits_gradient = s * b * V * (LOSS_BYTES_PER_LOGIT - LOSS_SAVED_PER_LOGIT) / t  # made in backward
     if getattr(cfg, "chunked_loss", False):
         logits, logits_gradient = min(s * b, CHUNK) * V * (4 + w) + V * h * 4 + s * b * h * w, 0
     layers = -(-L // p)
