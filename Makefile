@@ -57,7 +57,8 @@ help: ## list the targets
 # caller gave a -j): torch, ninja and DeepSpeed first (all that the builds below import), then the rest of
 # requirements.txt beside the builds (a fresh clone's make setup 121-126 s instead of 152-159 s, docs/tests.md).
 SETUP := $(VENV)/.setup
-$(VENV)/.setup: requirements.txt gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
+GELU_SOURCES := gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
+$(VENV)/.setup: requirements.txt $(GELU_SOURCES)
 	@$(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j 3) $(VENV)/.installed $(VENV)/.gelu $(VENV)/.ops
 	@touch $@
 
@@ -98,7 +99,7 @@ $(VENV)/.clang: $(VENV)/.base
 # Compiled once here rather than inside the first run (or test) that needs them: the C++ GELU, its CUDA kernel only
 # where a GPU is, and DeepSpeed's CPU ops (NVMe offload's are left to the first --nvme-path run); each recompiles by
 # itself if its sources or torch change.
-$(VENV)/.gelu: $(VENV)/.base gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
+$(VENV)/.gelu: $(VENV)/.base $(GELU_SOURCES)
 	$(PY) -c "from gelu_ext import load_cpp; load_cpp(); print('built the C++ GELU')"
 	touch $@
 
