@@ -172,7 +172,7 @@ def sane(kind, text, value) -> bool:
     (fabric_lenet, ["--node-timeout", "1e308"], "--node-timeout must be a finite number > 0 and <= 1e+06, got 1e308"),
     (bench, ["gpt", "--devices", "0"], "--devices must be an integer >= 1 (at most 2147483647), got 0"),
     (bench, ["gpt", "--", "--dropout", "2"], "--dropout"),
-    (report, ["--runs", "/nonexistent"], "--runs must be an existing folder, got /nonexistent"),
+    (report, ["--runs", "no-runs-here"], "--runs must be an existing folder, got no-runs-here"),  # in tmp_path
     (report, ["--out", "/proc/x.md"], "--out must be a folder"),
 ])
 def test_the_first_mistakes_end_in_one_line_before_any_work(script, argv, words, tmp_path, monkeypatch, capsys):
