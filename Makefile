@@ -54,16 +54,21 @@ help: ## list the targets
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
 # pip installs on one core, so the set-up is a make of its own that runs its steps side by side (-j 3, unless the
-# caller gave a -j): torch, ninja and DeepSpeed first (all that the builds below import), then the rest of
-# requirements.txt beside the builds (a fresh clone's make setup 121-126 s instead of 152-159 s, docs/tests.md).
+# caller gave a -j): torch, ninja and DeepSpeed first (all that the builds below import), libaio and clang unpacked
+# beside them, then the rest of requirements.txt beside the builds (a fresh clone's make setup 121-126 s instead of
+# 152-159 s, docs/tests.md).
 SETUP := $(VENV)/.setup
 GELU_SOURCES := gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
 $(VENV)/.setup: requirements.txt $(GELU_SOURCES)
 	@$(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j 3) $(VENV)/.installed $(VENV)/.gelu $(VENV)/.ops
 	@touch $@
 
-$(VENV)/.base: requirements.txt
+# the venv itself, before any install: what only needs its folder (.libaio, .clang) starts beside torch's install
+$(VENV)/.made:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	touch $@
+
+$(VENV)/.base: requirements.txt | $(VENV)/.made
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch)
 	grep -E '^(torch|ninja|deepspeed)\b' requirements.txt > $(VENV)/base-requirements.txt
@@ -76,7 +81,7 @@ $(VENV)/.installed: $(VENV)/.base
 
 # DeepSpeed's NVMe offload (--nvme-path) compiles against libaio. Without the system's libaio-dev, Debian's
 # packages are unpacked into the venv (apt-get download needs no root); strategies.py points the build there.
-$(VENV)/.libaio: $(VENV)/.base
+$(VENV)/.libaio: | $(VENV)/.made
 	if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null; then \
 	  rm -rf $(VENV)/libaio && mkdir -p $(VENV)/libaio && cd $(VENV)/libaio && \
 	  { apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1 || apt-get download -qq -o APT::Sandbox::User=root libaio-dev libaio1t64; } && \
@@ -87,7 +92,7 @@ $(VENV)/.libaio: $(VENV)/.base
 # The ops' sources that include torch compile with clang where one is at hand, faster than GCC, with the ops' -fopenmp
 # (core/host/extension_compiler.py). Without a system clang++ that finds OpenMP's header, Debian's clang and libomp
 # headers are unpacked into the venv as libaio is.
-$(VENV)/.clang: $(VENV)/.base
+$(VENV)/.clang: | $(VENV)/.made
 	if ! echo '#include <omp.h>' | clang++ -fopenmp -x c++ -E - >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
 	  v=$$(apt-cache depends clang 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9][0-9]*\)$$/\1/p' | head -n 1); \
 	  rm -rf $(VENV)/clang && mkdir -p $(VENV)/clang && [ -n "$$v" ] && (cd $(VENV)/clang && \

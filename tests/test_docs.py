@@ -72,7 +72,8 @@ def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_pat
 
 def test_make_setup_builds_beside_pip_not_after_it(tmp_path):
     """pip installs on one core: once torch, ninja and DeepSpeed are in (`.base`), the C++ GELU and DeepSpeed's ops
-    build without waiting for the rest of requirements.txt, and `make setup` runs its steps side by side (-j 3)."""
+    build without waiting for the rest of requirements.txt, libaio and clang are unpacked without waiting for torch,
+    and `make setup` runs its steps side by side (-j 3)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     venv = tmp_path / "venv"
     venv.mkdir()
@@ -86,6 +87,14 @@ def test_make_setup_builds_beside_pip_not_after_it(tmp_path):
     setup = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={venv}", "setup"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=60)
     assert " -j 3 " in setup.stdout and "-r requirements.txt" in setup.stdout, setup.stdout + setup.stderr
+    # in a new venv, before torch is in: libaio and clang (Debian's packages unpacked into its folder) need only the
+    # folder, so they start beside torch's install rather than after it
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / ".made").touch()
+    unpack = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={fresh}", f"{fresh}/.libaio", f"{fresh}/.clang"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert "dpkg-deb" in unpack.stdout and "pip install" not in unpack.stdout, unpack.stdout + unpack.stderr
 
 
 def test_every_target_writes_and_reads_the_one_runs_folder():
