@@ -9,7 +9,7 @@ TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
 RUNS    ?= runs
 # one test worker more than cores: a worker waiting on a process start, a signal or a disk leaves its core to the
-# next (the warm suite on 2 cores: 9-17% less time with 3 workers than with 2, in two sittings; docs/tests.md); and
+# next (the warm suite on 2 cores: 9-17% less time with 3 workers than with 2, in two sittings; docs/tests-log.md); and
 # at most one per 2.5 GiB of available memory (the warm suite's 3 workers peaked at 6.3 GB above the 1.0 GB used
 # before it), so that a laptop with 16 threads and 16 GB does not start 17. Cores as `nproc` counts them, without the
 # OpenMP variables it also obeys (the suite sets OMP_NUM_THREADS in its workers, a SLURM job often in its shell)

@@ -107,7 +107,8 @@ def test_zero_infinity_at_a_full_disk_during_its_swap_and_its_save_is_one_messag
         for i, kind in enumerate(("swap", "save")):
             moment = moment_after("infinity", kind, 0, i) if kind == "swap" else "save:4"
             # in a fresh .venv the first run builds DeepSpeed's NVMe ops (async I/O and pinned memory), and CPU Adam
-            # unless another test has: 349 s of it in a slow hour on 2 cores beside two other workers (docs/tests.md)
+            # unless another test has: 349 s of it in a slow hour on 2 cores beside two other workers
+            # (docs/tests-log.md)
             message, _ = cut("fabric_gpt.py", moment, mount, *NVME_SWAPPED, "--nvme-path", mount / f"nvme{i}",
                              "--out-dir", mount, "--run-name", f"inf{i}", timeout=1500 if i == 0 else 300)
             assert "--resume" not in message or "does not resume" in message, message

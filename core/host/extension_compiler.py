@@ -9,7 +9,7 @@ or without it, so an op built either way is never rebuilt for the other.
 Why. DeepSpeed's builders pass `-O3 -g`: without -g async I/O and pinned memory took 623 s of CPU instead of 873 (an
 AVX2 EPYC). Async I/O is compiled at -O0 and 9 of its 12 sources include torch/extension.h, 17-18 s of CPU each, two
 thirds of it parsing (an AVX-512 BF16 EPYC): its headers precompiled once with the sources' own flags (31 s, 786 MB,
-deleted after the build) leave 6-7 s a source, and the NVMe ops' build 148 s of CPU instead of 199 (docs/tests.md).
+deleted after the build) leave 6-7 s a source, and the NVMe ops' build 148 s of CPU instead of 199 (docs/tests-log.md).
 An op of two or three sources would lose: the precompiled header costs two sources' parse.
 
 Where clang is at hand (the system's, or Debian's that `make setup` unpacks into the venv), an op's sources that
