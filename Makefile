@@ -63,12 +63,14 @@ $(VENV)/.setup: requirements.txt $(GELU_SOURCES)
 	@$(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j 3) $(VENV)/.installed $(VENV)/.gelu $(VENV)/.ops
 	@touch $@
 
-# the venv itself, before any install: what only needs its folder (.libaio, .clang) starts beside torch's install
+# the venv itself, before any install: what only needs its folder (.libaio, .clang) starts beside torch's install.
+# .base makes it again where its python has gone since (the Python it was made from removed)
 $(VENV)/.made:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	touch $@
 
 $(VENV)/.base: requirements.txt | $(VENV)/.made
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch)
 	grep -E '^(torch|ninja|deepspeed)\b' requirements.txt > $(VENV)/base-requirements.txt
