@@ -284,6 +284,23 @@ def test_auto_padding_is_the_faster_for_each_precision_and_left_alone_where_noth
     assert cpu_speed.lenet_cpu_choice(Config(precision="64-true"), never) == ("64-true", 8, None)
 
 
+def test_auto_precision_without_bf16_instructions_times_float32_alone(tmp_path, monkeypatch):
+    """Where the CPU has no bf16 instructions (torch emulates bf16: a tenth of float32's speed under the AVX2 caps),
+    --precision auto is float32 without timing bf16, as GPT-2's: the probe times the padding alone, or nothing when
+    --pad-channels is named, and the line says why."""
+    monkeypatch.setattr(cpu_speed, "native_bf16", lambda: False)
+    cfg = Config(batch_size=64, cache_dir=str(tmp_path))
+    precision, pad, probe = cpu_speed.lenet_cpu_choice(cfg, lambda p: LeNet5(dataclasses.replace(cfg, pad_channels=p)))
+    assert precision == probe["choice"] == "32-true" and pad in (8, 0) and list(probe["cases"]) == ["32-true"]
+    assert set(probe["cases"]["32-true"]) == {"8", "0"} and cpu_speed.NO_BF16 in cpu_speed.probe_line(probe)
+    never = lambda pad: pytest.fail("measured")  # noqa: E731
+    precision, pad, probe = cpu_speed.lenet_cpu_choice(Config(pad_channels=8, cache_dir=str(tmp_path)), never)
+    assert (precision, pad) == ("32-true", 8)
+    assert cpu_speed.probe_line(probe) == f"auto: --precision 32-true ({cpu_speed.NO_BF16}; --precision forces one)"
+    monkeypatch.setattr(cpu_speed, "native_bf16", lambda: True)  # with them both are timed (the key says which)
+    assert cpu_speed.lenet_probe_key(Config())["precisions"] == list(cpu_speed.MEASURED)
+
+
 def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatch):
     for cap in hardware.isa_caps():  # a suite run under caps (docs/tests.md)
         monkeypatch.delenv(cap)
@@ -305,7 +322,8 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
               "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache"]
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "auto")
     probe = read_summary(tmp_path / "auto")["precision_probe"]
-    assert set(probe["samples_per_s"]) == {"32-true", "bf16-mixed"} and not probe["cached"]
+    timed = {"32-true", "bf16-mixed"} if hardware.native_bf16() else {"32-true"}  # without bf16 instructions: float32
+    assert set(probe["samples_per_s"]) == timed and not probe["cached"]
     assert probe["choice"] == cpu_speed.faster_precision(probe["windows"]) and len(probe["windows"]["32-true"]) == 8
     assert read_summary(tmp_path / "auto")["config"]["precision"] == probe["choice"]
     assert f"auto: --precision {probe['choice']} --pad-channels {probe['pad_channels']} (" in proc.stdout

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from core.run.hardware import cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap, uses_gpu
+from core.run.hardware import (cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap, native_bf16,
+                                uses_gpu)
 from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
 from core.run import ranks
 
@@ -34,9 +35,10 @@ class ZeroPaddedConv2d(torch.nn.Conv2d):
         return self._conv_forward(x, weight, F.pad(self.bias, (0, self.pad_out)))
 
 
-# --precision auto: on a GPU bf16 autocast (fp16 without bf16) is the fast choice. On a CPU no rule holds: bf16
-# autocast was 1.4x faster than float32 on a Xeon with AMX, 1.3x on an EPYC with AVX-512 BF16 and far slower without
-# either (docs/lenet.md). So the CPU times LeNet-5's own step in both, once per machine and settings. --pad-channels
+# --precision auto: on a GPU bf16 autocast (fp16 without bf16) is the fast choice. On a CPU with bf16 instructions no
+# rule holds: bf16 autocast was 1.4x faster than float32 on a Xeon with AMX, 1.3x on an EPYC with AVX-512 BF16
+# (docs/lenet.md). So such a CPU times LeNet-5's own step in both, once per machine and settings; one without them
+# (bf16 far slower, emulated) times float32 alone (NO_BF16). --pad-channels
 # auto likewise: conv1's channels padded to 8 ran float32 1.5x slower than unpadded on that EPYC and 5% faster on a
 # Xeon with AVX-512 BF16 (docs/lenet.md), so the same probe times the step both ways.
 PROBE_ENV = "FABRIC_LAB_AUTO_PRECISION"  # the launching process's choice, "<precision>:<pad>", inherited by its ranks
@@ -50,6 +52,9 @@ PADS = (8, 0)  # conv1's channels as a whole vector of 8, or as they are
 # its first line). The cases ranked alike from 512 to 4,096 (float32 ahead of bf16 autocast at each, on a Xeon with
 # AVX-512 BF16, 2026-11-29: docs/lenet.md), so a larger batch is decided at this one, in about 2 s a pair of cases.
 PROBE_BATCH = 1024
+# Without bf16 instructions torch emulates bf16, and nothing is left to time: under the AVX2 caps bf16 autocast ran the
+# step at a tenth of float32's speed, and timing it took 18 of the probe's 21 s (docs/lenet.md). GPT-2's auto alike.
+NO_BF16 = "no bf16 instructions on this CPU (torch would emulate bf16)"
 
 
 def conv1_channels(cfg) -> int:
@@ -145,10 +150,12 @@ def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
     precision, pad = cfg.precision, cfg.pad_channels
     if uses_gpu(cfg.accelerator):  # tensor cores take whole multiples of 8 channels
         return (gpu_precision() if precision == "auto" else precision), (8 if pad == "auto" else pad), None
+    emulated = precision == "auto" and not native_bf16()
+    precision = "32-true" if emulated else precision
     if pad == "auto" and (not cfg.channels_last or precision not in ("auto", *MEASURED)):
         pad = 8 if cfg.channels_last else 0  # nothing padded in NCHW; the probe times float32 and bf16 steps only
     if "auto" not in (precision, pad):
-        return precision, pad, None
+        return precision, pad, ({"choice": precision, "pad_channels": pad, "why": NO_BF16} if emulated else None)
     if os.environ.get("LOCAL_RANK", "0") != "0" and os.environ.get(PROBE_ENV):
         inherited, inherited_pad = os.environ[PROBE_ENV].split(":")  # a rank started by Fabric's launcher, which
         return inherited, int(inherited_pad), None                      # decided before starting it
@@ -156,14 +163,18 @@ def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
     probe = choose_precision(key, Path(cfg.cache_dir).expanduser() / "precision-probe.json",
                              lambda: lenet_step_speeds(make_model, key))
     os.environ[PROBE_ENV] = f"{probe['choice']}:{probe['pad_channels']}"
-    return probe["choice"], probe["pad_channels"], probe
+    return probe["choice"], probe["pad_channels"], ({**probe, "why": NO_BF16} if emulated else probe)
 
 
 def probe_line(probe: dict) -> str:
     """What auto chose and why: the resumed run's precision, and the probe's figures where it measured."""
     taken = ", ".join(f"--{name.replace('_', '-')} auto: {value}" for name, value in probe.get("resumed", {}).items())
     lines = [f"{taken} (the resumed run's own; --precision and --pad-channels force them)"] if taken else []
-    return "\n".join(lines + ([measured_line(probe)] if "cases" in probe else []))
+    if "cases" in probe:
+        lines.append(measured_line(probe))
+    elif "why" in probe:  # nothing timed
+        lines.append(f"auto: --precision {probe['choice']} ({probe['why']}; --precision forces one)")
+    return "\n".join(lines)
 
 
 def measured_line(probe: dict) -> str:
@@ -173,9 +184,10 @@ def measured_line(probe: dict) -> str:
                        for p, by_pad in probe["cases"].items())
     when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
     batch = f"{key['local_batch']}" + (", the probe's largest" if key["local_batch"] == PROBE_BATCH else "")
+    bf16 = probe.get("why") or f"bf16 taken only {BF16_MARGIN:.2f}x faster"
     return (f"auto: --precision {probe['choice']} --pad-channels {probe['pad_channels']} (LeNet-5's step at batch "
-            f"{batch}, {key['threads']} thread(s), samples/s: {speeds}; bf16 taken only "
-            f"{BF16_MARGIN:.2f}x faster; {when}; --precision and --pad-channels force them)")
+            f"{batch}, {key['threads']} thread(s), samples/s: {speeds}; {bf16}; {when}; --precision and "
+            "--pad-channels force them)")
 
 
 def agree_on_precision(fabric, precision: str, probe: dict | None) -> None:
