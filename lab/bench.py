@@ -167,8 +167,8 @@ def race_plain_loop(folder: Path, epochs: int) -> dict:
     """lenet_reference.py, the plain preloaded loop (batch 256, AdamW, one-cycle, no augmentation, NCHW), in float32
     and under bf16 autocast: its samples/s over `epochs` epochs (its speed is steady from the first). Without bf16
     instructions float32 alone: emulated bf16 cannot be the faster (under the AVX2 caps the plain loop's bf16 ran at
-    a fifth of its float32's speed, under the AVX-512-without-bf16 cap at half: docs/lenet.md), and was the race's
-    longest run there."""
+    a fifth to a third of its float32's speed, under the AVX-512-without-bf16 cap at about half: docs/lenet.md), and
+    was the race's longest run there."""
     result = {}
     for precision in ("32-true", "bf16-mixed") if native_bf16() else ("32-true",):
         record = folder / f"{precision}.json"

@@ -92,8 +92,8 @@ def test_make_setup_builds_beside_pip_not_after_it(tmp_path):
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / ".made").touch()
-    unpack = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={fresh}", f"{fresh}/.libaio", f"{fresh}/.clang"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    unpack = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={fresh}", f"{fresh}/.libaio",
+                             f"{fresh}/.clang"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert "dpkg-deb" in unpack.stdout and "pip install" not in unpack.stdout, unpack.stdout + unpack.stderr
 
 

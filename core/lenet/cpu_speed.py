@@ -53,7 +53,7 @@ PADS = (8, 0)  # conv1's channels as a whole vector of 8, or as they are
 # AVX-512 BF16, 2026-11-29: docs/lenet.md), so a larger batch is decided at this one, in about 2 s a pair of cases.
 PROBE_BATCH = 1024
 # Without bf16 instructions torch emulates bf16, and nothing is left to time: under the AVX2 caps bf16 autocast ran the
-# step at a tenth of float32's speed, and timing it took 18 of the probe's 21 s (docs/lenet.md). GPT-2's auto alike.
+# step at a tenth of float32's speed, and timing it took 19 of the probe's 21 s (docs/lenet.md). GPT-2's auto alike.
 NO_BF16 = "no bf16 instructions on this CPU (torch would emulate bf16)"
 
 
