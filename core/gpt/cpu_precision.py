@@ -14,7 +14,7 @@ import statistics
 import time
 
 from core.gpt.gpt_model import positions
-from core.run.hardware import native_bf16
+from core.run.hardware import NO_BF16, native_bf16
 from core.run.measurements import MARGIN, cached, clearly_faster, threads
 
 CANDIDATES = ("32-true", "bf16-mixed")
@@ -40,7 +40,7 @@ def choose(cfg, n_threads: int, makers, matmul_peaks) -> dict:
     makers: () -> {precision: () -> a training step's callable}, called outside the cache's lock; matmul_peaks:
     () -> (float32's (FLOP/s, path), the best (FLOP/s, path) of bf16 autocast's), as accounting.cpu_matmul_peak's."""
     if not native_bf16():
-        return {"choice": "32-true", "why": "no bf16 instructions on this CPU (torch would emulate bf16)"}
+        return {"choice": "32-true", "why": NO_BF16}
     if probe_flops(cfg) > STEP_BUDGET:
         return by_matmul_rates(*matmul_peaks())
     settings = probe_settings(cfg, n_threads)

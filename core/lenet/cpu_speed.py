@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from core.run.hardware import (cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap, native_bf16,
-                                uses_gpu)
+from core.run.hardware import (NO_BF16, cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap,
+                                native_bf16, uses_gpu)
 from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
 from core.run import ranks
 
@@ -52,9 +52,9 @@ PADS = (8, 0)  # conv1's channels as a whole vector of 8, or as they are
 # its first line). The cases ranked alike from 512 to 4,096 (float32 ahead of bf16 autocast at each, on a Xeon with
 # AVX-512 BF16, 2026-11-29: docs/lenet.md), so a larger batch is decided at this one, in about 2 s a pair of cases.
 PROBE_BATCH = 1024
-# Without bf16 instructions torch emulates bf16, and nothing is left to time: under the AVX2 caps bf16 autocast ran the
-# step at a tenth of float32's speed, and timing it took 19 of the probe's 21 s (docs/lenet.md). GPT-2's auto alike.
-NO_BF16 = "no bf16 instructions on this CPU (torch would emulate bf16)"
+# Without bf16 instructions torch emulates bf16, and nothing is left to time (NO_BF16): under the AVX2 caps bf16
+# autocast ran the step at a tenth of float32's speed, and timing it took 19 of the probe's 21 s (docs/lenet.md).
+# GPT-2's auto alike (core/gpt/cpu_precision.py).
 
 
 def conv1_channels(cfg) -> int:

@@ -219,6 +219,9 @@ def gpu_precision() -> str:
     return "16-mixed" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bf16-mixed"
 
 
+NO_BF16 = "no bf16 instructions on this CPU (torch would emulate bf16)"  # why --precision auto took float32 untimed
+
+
 def native_bf16() -> bool:
     """This CPU computes bf16 matmuls in hardware (AVX-512 BF16 or AMX) and no instruction-set cap hides them. Without
     them torch emulates bf16: on an AVX2 EPYC with torch 2.14, 0.7 GFLOP/s against 61 in float32."""
