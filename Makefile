@@ -69,16 +69,18 @@ $(VENV)/.made:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	touch $@
 
+# uv installs in pip's place, with pip's settings (pip.conf, PIP_*), side by side and compiling the bytecode on every
+# core; pip itself where uv is missing or cannot take a setting (core/host/installer.py)
 $(VENV)/.base: requirements.txt | $(VENV)/.made
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --index-url $(TORCH_INDEX) torch)
+	$(PY) -m pip install --quiet --upgrade pip uv || $(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m core.host.installer --index-url $(TORCH_INDEX) torch)
 	grep -E '^(torch|ninja|deepspeed)\b' requirements.txt > $(VENV)/base-requirements.txt
-	$(PY) -m pip install --quiet -r $(VENV)/base-requirements.txt
+	$(PY) -m core.host.installer -r $(VENV)/base-requirements.txt
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m core.host.installer -r requirements.txt
 	touch $@
 
 # DeepSpeed's NVMe offload (--nvme-path) compiles against libaio. Without the system's libaio-dev, Debian's

@@ -1,13 +1,18 @@
 """The README and docs/ as a newcomer reads them: every relative link resolves (file and #anchor), and every
 `make` target the README names exists in the Makefile."""
 
+import base64
+import hashlib
 import os
 import re
 import shlex
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 from conftest import REPO
+from core.host import installer
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -94,7 +99,60 @@ def test_make_setup_builds_beside_pip_not_after_it(tmp_path):
     (fresh / ".made").touch()
     unpack = subprocess.run(["make", "--no-print-directory", "-n", f"VENV={fresh}", f"{fresh}/.libaio",
                              f"{fresh}/.clang"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert "dpkg-deb" in unpack.stdout and "pip install" not in unpack.stdout, unpack.stdout + unpack.stderr
+    assert "dpkg-deb" in unpack.stdout and not re.search(r"pip install|core\.host\.installer", unpack.stdout), \
+        unpack.stdout + unpack.stderr
+
+
+def one_module_wheel(folder: Path, name: str = "fabric_lab_probe", version: str = "1.0") -> None:
+    """A wheel of one module, written by hand as a build backend would: what an index or a find-links folder holds."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": b"ANSWER = 42\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    digest = lambda data: base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    record = [f"{path},sha256={digest(data)},{len(data)}" for path, data in files.items()] + [f"{info}/RECORD,,"]
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, data in files.items():
+            wheel.writestr(path, data)
+        wheel.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+
+
+def test_make_setup_installs_with_uv_under_pips_settings_and_with_pip_where_uv_cannot(tmp_path):
+    """`make setup` installs with uv, which reads no pip configuration: pip's settings reach it as flags (here a
+    find-links folder and no index, the only place the wheel is), and a setting uv has no flag for (no-compile) sends
+    the install to pip, saying so. Each installs into a venv of its own."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    one_module_wheel(wheels)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    env |= {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(wheels), "PIP_NO_INDEX": "1",
+            "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+    for case, extra in (("uv", {}), ("pip", {"PIP_NO_COMPILE": "1"})):
+        target = tmp_path / case
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", target], check=True, timeout=60)
+        done = subprocess.run([sys.executable, "-m", "core.host.installer", "--python", target / "bin" / "python",
+                               "fabric_lab_probe"], cwd=REPO, env=env | extra, capture_output=True, text=True, timeout=120)
+        said = done.stdout + done.stderr
+        assert done.returncode == 0, said
+        assert ("with pip" in said) == ("with pip: pip's setting 'no-compile' has no uv flag" in said) == (case == "pip"), \
+            said
+        probe = subprocess.run([target / "bin" / "python", "-c", "import fabric_lab_probe as p; print(p.ANSWER)"],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() == "42", probe.stderr
+
+
+def test_pip_settings_reach_uv_as_pip_applies_them():
+    """Its variables over the install section over the global one, another command's section ignored, several values
+    split as pip.conf writes them; a setting of pip's own behaviour (its timeout) is not an install's."""
+    listing = "\n".join(["global.index-url='https://a.example/simple'", "install.index-url='https://b.example/simple'",
+                         "download.find-links='/not/for/install'", "global.extra-index-url='file:///x file:///y'",
+                         ":env:.constraint='/c.txt'", "global.constraint='/old.txt'", "global.no-index='false'",
+                         ":env:.default-timeout='180'"])
+    flags, unknown = installer.uv_flags(installer.pip_settings(listing))
+    assert unknown is None and flags == ["--index-strategy", "unsafe-best-match", "--constraints", "/c.txt",
+                                         "--extra-index-url", "file:///x", "--extra-index-url", "file:///y",
+                                         "--default-index", "https://b.example/simple"], flags
+    assert installer.uv_flags({"no-binary": ":all:"}) == (None, "no-binary")
 
 
 def test_every_target_writes_and_reads_the_one_runs_folder():
