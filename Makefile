@@ -53,10 +53,10 @@ help: ## list the targets
 
 # The virtual environment is rebuilt only when requirements.txt changes. TORCH_INDEX: a wheel index for a torch
 # build that matches the NVIDIA driver (e.g. https://download.pytorch.org/whl/cu126 for drivers 525-575).
-# pip installs on one core, so the set-up is a make of its own that runs its steps side by side (-j 3, unless the
-# caller gave a -j): torch, ninja and DeepSpeed first (all that the builds below import), libaio and clang unpacked
-# beside them, then the rest of requirements.txt beside the builds (a fresh clone's make setup 121-126 s instead of
-# 152-159 s, docs/tests.md).
+# The set-up is a make of its own that runs its steps side by side (-j 3, unless the caller gave a -j): torch, ninja
+# and DeepSpeed first (all that the builds below import), libaio and clang unpacked beside them, then the rest of
+# requirements.txt beside the builds (docs/tests.md: a fresh clone's make setup 121-126 s instead of 152-159 s when
+# pip still installed on one core; 94-120 s with uv instead of pip's 125-148 s).
 SETUP := $(VENV)/.setup
 GELU_SOURCES := gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
 $(VENV)/.setup: requirements.txt $(GELU_SOURCES)
