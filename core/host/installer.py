@@ -23,11 +23,11 @@ SEVERAL = {"extra-index-url": "--extra-index-url", "find-links": "--find-links",
            "trusted-host": "--allow-insecure-host"}
 ONE = {"index-url": "--default-index", "cert": "--cert"}
 SWITCHES = {"no-index": ["--no-index"], "pre": ["--prerelease", "allow"]}
-# pip's own behaviour (its output, its cache, its network patience, where its settings came from, already read), nothing
-# about what gets installed
+# pip's own behaviour (its output, its cache, its network patience, where its settings came from, already read, its
+# guards for a system's Python, which a venv is not), nothing about what gets installed
 PIP_ONLY = {"timeout", "default-timeout", "retries", "disable-pip-version-check", "no-input", "no-color", "progress-bar",
             "quiet", "verbose", "cache-dir", "no-cache-dir", "root-user-action", "require-virtualenv", "log",
-            "config-file"}
+            "config-file", "break-system-packages", "no-warn-script-location"}
 # pip's precedence: its PIP_* variables over the install command's section over the global one
 SECTIONS = {"global": 0, "install": 1, ":env:": 2}
 
