@@ -153,6 +153,7 @@ def test_pip_settings_reach_uv_as_pip_applies_them():
                                          "--extra-index-url", "file:///x", "--extra-index-url", "file:///y",
                                          "--default-index", "https://b.example/simple"], flags
     assert installer.uv_flags({"no-binary": ":all:"}) == (None, "no-binary")
+    assert installer.uv_flags(installer.pip_settings("global.find-links=/unquoted")) == (None, "find-links")
 
 
 def test_every_target_writes_and_reads_the_one_runs_folder():

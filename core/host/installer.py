@@ -41,14 +41,25 @@ def pip_settings(listing: str) -> dict:
         if not sep or section not in SECTIONS:  # another command's section (download, wheel, ...)
             continue
         if name not in found or SECTIONS[section] >= found[name][0]:
-            found[name] = (SECTIONS[section], ast.literal_eval(value))
+            found[name] = (SECTIONS[section], readable(value))
     return {name: value for name, (_, value) in found.items()}
 
 
+def readable(value: str):
+    """A value as `pip config list` quotes it (Python's repr of a string), or None where it reads otherwise."""
+    try:
+        value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def uv_flags(settings: dict):
-    """uv's flags for pip's settings, or (None, the setting) for one uv has no flag for."""
+    """uv's flags for pip's settings, or (None, the setting) for one uv has no flag for or that could not be read."""
     flags = ["--index-strategy", "unsafe-best-match"]  # as pip: the newest version over every index, not the first's
     for name, value in sorted(settings.items()):
+        if value is None and name not in PIP_ONLY:  # unreadable: what pip makes of it is unknown, so pip installs
+            return None, name
         if name in SEVERAL:
             flags += [word for item in value.split() for word in (SEVERAL[name], item)]
         elif name in ONE:
