@@ -88,7 +88,8 @@ def install(target: str, arguments: list) -> int:
     else:
         return 0
     print(f"note: installing {shlex.join(arguments)} with pip: {reason}", flush=True)
-    return subprocess.run(pip + ["--python", target, "install", "--quiet"] + arguments).returncode
+    elsewhere = ["--python", target] if target != sys.executable else []  # pip >= 22.3 only: not asked of make setup's
+    return subprocess.run(pip + elsewhere + ["install", "--quiet"] + arguments).returncode
 
 
 def main(argv=None) -> int:
