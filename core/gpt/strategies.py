@@ -97,10 +97,12 @@ def use_venv_libaio() -> None:
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the op needs libaio.so.1: once loaded, found by name
 
 
-# What `make setup` compiles: the op every multi-process DeepSpeed run on CPU loads (its shared-memory collectives).
-# The others are built by the first run that needs them, with a line saying so (CPU Adam: ZeRO-Offload; async I/O
-# and pinned memory: --nvme-path): few runs need them, and each would add a minute or more to the set-up.
-SETUP_OPS = ("ShareMemCommBuilder",)
+# What `make setup` compiles: the op every multi-process DeepSpeed run on CPU loads (its shared-memory collectives),
+# and CPU Adam, which every ZeRO-Offload run steps with (the lab's bench-gpt among them: in a fresh clone its first
+# offload case took 64 s instead of 13, and the lab 15.2 min against issue 76's 15; docs/lab.md). Async I/O and
+# pinned memory (--nvme-path) are built by the first run that needs them, with a line saying so: few runs need
+# them, and they would add about two minutes to the set-up.
+SETUP_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
 OFFLOAD_OPS = ("CPUAdamBuilder",)
 NVME_OPS = ("AsyncIOBuilder", "PinMemoryBuilder")
 PRECOMPILED_OPS = ("AsyncIOBuilder",)  # 9 of its 12 sources include torch/extension.h (extension_compiler.py)
@@ -167,11 +169,12 @@ def build_cpu_ops(names=SETUP_OPS) -> None:
 
 
 def build_offload_ops() -> None:
-    """CPU Adam for a ZeRO-Offload run, compiled before the ranks start when `make setup` left it out."""
+    """CPU Adam for a ZeRO-Offload run, compiled before the ranks start where this venv's `make setup` did not build
+    it (a venv set up before it did, or its build removed)."""
     deepspeed_on_cpu()
     if not op_is_built("cpu_adam"):
-        print("note: building DeepSpeed's CPU Adam for ZeRO-Offload, once (make setup leaves it to the first offload "
-              "run)", flush=True)
+        print("note: building DeepSpeed's CPU Adam for ZeRO-Offload, once (this venv's make setup did not)",
+              flush=True)
         build_cpu_ops(OFFLOAD_OPS)
 
 
