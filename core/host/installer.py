@@ -58,7 +58,9 @@ def uv_flags(settings: dict):
     """uv's flags for pip's settings, or (None, the setting) for one uv has no flag for or that could not be read."""
     flags = ["--index-strategy", "unsafe-best-match"]  # as pip: the newest version over every index, not the first's
     for name, value in sorted(settings.items()):
-        if value is None and name not in PIP_ONLY:  # unreadable: what pip makes of it is unknown, so pip installs
+        if name in PIP_ONLY:
+            continue
+        if value is None:  # unreadable: what pip makes of it is unknown, so pip installs
             return None, name
         if name in SEVERAL:
             flags += [word for item in value.split() for word in (SEVERAL[name], item)]
@@ -66,7 +68,7 @@ def uv_flags(settings: dict):
             flags += [ONE[name], value]
         elif name in SWITCHES:
             flags += SWITCHES[name] if value.strip().lower() in ("1", "true", "yes", "on") else []
-        elif name not in PIP_ONLY:
+        else:
             return None, name
     return flags, None
 
