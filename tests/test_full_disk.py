@@ -97,7 +97,7 @@ def test_a_full_disk_at_any_moment_is_one_message_and_the_run_resumes_to_its_los
 
 
 @pytest.mark.slow
-@pytest.mark.builds  # DeepSpeed's async I/O and CPU Adam, when make setup left them out
+@pytest.mark.builds  # DeepSpeed's async I/O and pinned memory, which make setup leaves to the first NVMe run
 def test_zero_infinity_at_a_full_disk_during_its_swap_and_its_save_is_one_message(tmp_path):
     """ZeRO-Infinity, its NVMe folder on the disk that fills: during the swap (a swap file that DeepSpeed writes
     short on a full disk is found before the next swap-in reads it, where DeepSpeed 0.19.8 aborts in a C++
@@ -106,9 +106,8 @@ def test_zero_infinity_at_a_full_disk_during_its_swap_and_its_save_is_one_messag
     with sized_disk(tmp_path / "disk", 64 * 2**20) as mount:
         for i, kind in enumerate(("swap", "save")):
             moment = moment_after("infinity", kind, 0, i) if kind == "swap" else "save:4"
-            # in a fresh .venv the first run builds DeepSpeed's NVMe ops (async I/O and pinned memory), and CPU Adam
-            # unless another test has: 349 s of it in a slow hour on 2 cores beside two other workers
-            # (docs/tests-log.md)
+            # in a fresh .venv the first run builds DeepSpeed's NVMe ops (async I/O and pinned memory): 141-190 s
+            # on 2 cores beside two other workers (docs/tests.md)
             message, _ = cut("fabric_gpt.py", moment, mount, *NVME_SWAPPED, "--nvme-path", mount / f"nvme{i}",
                              "--out-dir", mount, "--run-name", f"inf{i}", timeout=1500 if i == 0 else 300)
             assert "--resume" not in message or "does not resume" in message, message

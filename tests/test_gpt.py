@@ -145,7 +145,6 @@ def offload_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.builds  # DeepSpeed's CPU Adam
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
 def test_offload_equals_one_process(single_adamw, offload_run, strategy):
     """ZeRO-Offload steps with DeepSpeed's CPU Adam (it refuses SGD): compared with AdamW on one process."""
