@@ -96,7 +96,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     keep_last: int = opt(3, "checkpoints kept", min=1, runtime=True)
     resume: str = resume_flag()
     requeue_signal: str = requeue_flag()
-    cache_dir: str = opt("~/.cache/fabric-lab", "--precision auto's timings", check=flags.Folder(), runtime=True)
+    cache_dir: str = opt("", "--precision auto's timings (default: $FABRIC_LAB_CACHE, then ~/.cache/fabric-lab)",
+                         check=flags.Folder(optional=True), runtime=True)
     tb_images: bool = opt(True, "confusion matrix, mistakes, feature maps, histograms in TensorBoard", runtime=True)
 
 

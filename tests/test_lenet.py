@@ -287,13 +287,17 @@ def test_auto_padding_is_the_faster_for_each_precision_and_left_alone_where_noth
 def test_auto_precision_without_bf16_instructions_times_float32_alone(tmp_path, monkeypatch):
     """Where the CPU has no bf16 instructions (torch emulates bf16: a tenth of float32's speed under the AVX2 caps),
     --precision auto is float32 without timing bf16, as GPT-2's: the probe times the padding alone, or nothing when
-    --pad-channels is named, and the line says why."""
+    --pad-channels is named, and the line says why. Without --cache-dir the answer is kept where FABRIC_LAB_CACHE
+    says, as every other measurement (the suite's own folder: no user's figure decides a test)."""
     monkeypatch.setattr(cpu_speed, "native_bf16", lambda: False)
-    cfg = Config(batch_size=64, cache_dir=str(tmp_path))
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
+    cfg = Config(batch_size=64)
     precision, pad, probe = cpu_speed.lenet_cpu_choice(cfg, lambda p: LeNet5(dataclasses.replace(cfg, pad_channels=p)))
     assert precision == probe["choice"] == "32-true" and pad in (8, 0) and list(probe["cases"]) == ["32-true"]
     assert set(probe["cases"]["32-true"]) == {"8", "0"} and cpu_speed.NO_BF16 in cpu_speed.probe_line(probe)
     never = lambda pad: pytest.fail("measured")  # noqa: E731
+    assert (tmp_path / "precision-probe.json").exists()
+    assert cpu_speed.lenet_cpu_choice(Config(batch_size=64, cache_dir=str(tmp_path)), never)[:2] == (precision, pad)
     precision, pad, probe = cpu_speed.lenet_cpu_choice(Config(pad_channels=8, cache_dir=str(tmp_path)), never)
     assert (precision, pad) == ("32-true", 8)
     assert cpu_speed.probe_line(probe) == f"auto: --precision 32-true ({cpu_speed.NO_BF16}; --precision forces one)"

@@ -14,7 +14,7 @@ import torch
 
 from core.run.hardware import (NO_BF16, cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap,
                                 native_bf16, uses_gpu)
-from core.run.measurements import MARGIN, clearly_faster, rank_threads, stored_or_measured
+from core.run.measurements import MARGIN, cache_folder, clearly_faster, rank_threads, stored_or_measured
 from core.run import ranks
 
 
@@ -160,7 +160,8 @@ def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
         inherited, inherited_pad = os.environ[PROBE_ENV].split(":")  # a rank started by Fabric's launcher, which
         return inherited, int(inherited_pad), None                      # decided before starting it
     key = lenet_probe_key(dataclasses.replace(cfg, precision=precision, pad_channels=pad))
-    probe = choose_precision(key, Path(cfg.cache_dir).expanduser() / "precision-probe.json",
+    folder = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_folder()
+    probe = choose_precision(key, folder / "precision-probe.json",
                              lambda: lenet_step_speeds(make_model, key))
     os.environ[PROBE_ENV] = f"{probe['choice']}:{probe['pad_channels']}"
     return probe["choice"], probe["pad_channels"], ({**probe, "why": NO_BF16} if emulated else probe)

@@ -20,8 +20,13 @@ from core.run.hardware import cpu_name, cpu_units, isa_caps
 from core.run.ranks import cores_per_rank, usable_cores
 
 
+def cache_folder() -> Path:
+    """Where this machine's measurements are kept: FABRIC_LAB_CACHE, else ~/.cache/fabric-lab."""
+    return Path(os.environ.get("FABRIC_LAB_CACHE") or "~/.cache/fabric-lab").expanduser()
+
+
 def cache_file() -> Path:
-    return Path(os.environ.get("FABRIC_LAB_CACHE", "~/.cache/fabric-lab")).expanduser() / "cpu-probe.json"
+    return cache_folder() / "cpu-probe.json"
 
 
 def machine_key() -> dict:
