@@ -203,11 +203,10 @@ REFERENCES = {
         "data": 7, "text": 1, "lenet-relu": 63, "gelu-check": 1, "lenet-gelu_torch": 79, "lenet-gelu_py": 117,
         "lenet-gelu_cpp": 78, "bench-gelu": 37, "bench-lenet": 36, "gpt-text": 114, "bench-gpt": 308, "gpu-check": 0,
         "report": 2}),
-    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (203e9, {  # 2026-11-27 13:39, at 0d3b03c, 416 s in all; text
-        # and gpt-text not timed there yet: the AVX2 EPYC's, gpt-text's scaled by the recipe's float32 tokens/s
-        # (17,104 there in `make bench-text`, docs/text.md, against 14,502 in the AVX2 EPYC's stage)
-        "data": 4, "text": 1, "lenet-relu": 29, "gelu-check": 1, "lenet-gelu_torch": 35, "lenet-gelu_py": 65,
-        "lenet-gelu_cpp": 36, "bench-gelu": 22, "bench-lenet": 16, "gpt-text": 97, "bench-gpt": 207, "gpu-check": 0,
+    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # 2026-11-30 21:30, after a fresh clone's .ci/run
+        # at eef8622, 416 s in all (it said 9 min: gpt-text had been estimated, and both scripts now choose bf16 autocast)
+        "data": 4, "text": 1, "lenet-relu": 33, "gelu-check": 1, "lenet-gelu_torch": 37, "lenet-gelu_py": 63,
+        "lenet-gelu_cpp": 34, "bench-gelu": 21, "bench-lenet": 24, "gpt-text": 40, "bench-gpt": 158, "gpu-check": 0,
         "report": 1}),
     "Intel(R) Xeon(R) Processor, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (258e9, {  # no AMX; 2026-11-28 22:17, a
         # fresh clone at 0b3af48, 823 s in all (it said 7 min: the EPYC's times scaled by the matmul rate, 1.27x)
