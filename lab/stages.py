@@ -203,7 +203,7 @@ REFERENCES = {
         "data": 7, "text": 1, "lenet-relu": 63, "gelu-check": 1, "lenet-gelu_torch": 79, "lenet-gelu_py": 117,
         "lenet-gelu_cpp": 78, "bench-gelu": 37, "bench-lenet": 36, "gpt-text": 114, "bench-gpt": 308, "gpu-check": 0,
         "report": 2}),
-    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # 2026-11-30 21:30, after a fresh clone's .ci/run
+    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # 2026-11-30 21:26, after a fresh clone's .ci/run
         # at eef8622, 416 s in all (it said 9 min: gpt-text had been estimated, and both scripts now choose bf16 autocast)
         "data": 4, "text": 1, "lenet-relu": 33, "gelu-check": 1, "lenet-gelu_torch": 37, "lenet-gelu_py": 63,
         "lenet-gelu_cpp": 34, "bench-gelu": 21, "bench-lenet": 24, "gpt-text": 40, "bench-gpt": 158, "gpu-check": 0,
