@@ -63,6 +63,18 @@ def test_exit_codes_errors_and_deaths_by_signal_are_the_commands():
     assert run("-m", "json.tool", "--help").stdout.startswith("usage: python -m json.tool")
 
 
+def test_what_escapes_a_command_at_its_end_never_reaches_the_servers_frames(tmp_path):
+    """A child is the server forked: an exception out of its last instant (here a stream that raises at the final
+    flush; in life a Ctrl-C landing then) once unwound into the server's loop and its clean-up, which removed the
+    folder of sys.argv[1] (the command's own argument, relative to its working folder: a test suite's repository)."""
+    (tmp_path / "victim").mkdir()
+    code = ("import sys\nclass Raises:\n    def write(self, text): return len(text)\n"
+            "    def flush(self): raise KeyboardInterrupt\nsys.stdout = Raises()")
+    ended = run("-c", code, "victim/file", cwd=tmp_path)
+    assert ended.returncode == 1 and (tmp_path / "victim").is_dir()
+    assert run("-c", "print('served')").stdout == "served\n"  # the server goes on
+
+
 def test_a_command_holds_the_signals_it_was_started_holding():
     """The signal mask survives an exec: a rank that Fabric starts holding the stop signals (ranks.launch) holds
     them under the warm python too, until it listens, and a signal sent meanwhile waits for it."""

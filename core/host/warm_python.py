@@ -385,20 +385,23 @@ def accept(listener: socket.socket, children: dict) -> None:
     else:
         pid = os.fork()
         if pid == 0:
-            listener.close()
-            for other, _ in children.values():
-                if other:
-                    other.close()
-            conn.close()
-            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
-            for fd in fds:
-                os.close(fd)
-            for fd, target in zip(high, request["fds"]):
-                os.dup2(fd, target)  # inheritable, as after an exec
-                os.close(fd)
-            if request["leader"]:
-                os.setpgid(0, 0)
-            run_child(request["argv"], request["env"], request["cwd"], request["mask"])
+            try:
+                listener.close()
+                for other, _ in children.values():
+                    if other:
+                        other.close()
+                conn.close()
+                high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10_000) for fd in fds]  # above any target number
+                for fd in fds:
+                    os.close(fd)
+                for fd, target in zip(high, request["fds"]):
+                    os.dup2(fd, target)  # inheritable, as after an exec
+                    os.close(fd)
+                if request["leader"]:
+                    os.setpgid(0, 0)
+                run_child(request["argv"], request["env"], request["cwd"], request["mask"])
+            finally:  # what escapes it (a signal in its last instant, a stream that raises at its flush) ends it here:
+                os._exit(1)  # unwound, it would run the server's loop and clean-up, in the command's folder
         if request["leader"]:
             os.setpgid(pid, pid)  # here too, so that no signal can come before the child's own call
         conn.sendall(f"{pid}\n".encode())
@@ -408,9 +411,11 @@ def accept(listener: socket.socket, children: dict) -> None:
 
 
 if __name__ == "__main__":
+    folder, server = Path(sys.argv[1]).parent, os.getpid()  # a child's sys.argv is its command's
     try:
         serve(*sys.argv[1:])
-    finally:  # its socket and client
-        import shutil
+    finally:  # its socket and client, by the server alone
+        if os.getpid() == server:
+            import shutil
 
-        shutil.rmtree(Path(sys.argv[1]).parent, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
