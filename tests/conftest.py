@@ -31,6 +31,12 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     # torchrun (the tests of several nodes, of gpt.sbatch) makes a log folder per launch, /tmp/torchelastic_* by
     # default, and leaves it: here, with the cache, removed at the end (PET_LOG_DIR is its --log-dir)
     os.environ["PET_LOG_DIR"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "torchrun-logs")
+    # pytest-xdist starts its workers as sys.executable: so they are the warm python's children, with torch,
+    # Lightning and transformers imported once for the whole suite, and one server for all (each worker had imported
+    # them, and started a server of its own). The server's imports include anyio, a pytest plugin pytest would rewrite
+    os.environ["PYTEST_ADDOPTS"] = (os.environ.get("PYTEST_ADDOPTS", "") + " -W 'ignore:Module already imported so "
+                                    "cannot be rewritten; anyio:pytest.PytestAssertRewriteWarning'").strip()
+    warm_python.install()
 
 
 # pytest-xdist's workers share the machine's cores: each worker's processes take cores / workers threads, where
@@ -38,6 +44,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cores() // WORKERS))
+    if "torch" in sys.modules:  # a warm child: OpenMP read the variable when torch loaded, in the server
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -38,6 +38,8 @@ def test_a_job_that_starts_jobs_starts_them_warm_without_a_server_of_its_own():
             "warm_python._client, warm_python.at_hand() == sys.executable)")
     assert run("-c", code).stdout == "True None True\n"
     assert warm_python.is_client(warm_python.executable()) and not warm_python.is_client(warm_python.REAL)
+    # a warm child's sys.executable is the client (the suite's workers are such children): REAL is still the real one
+    assert run("-c", "from core.host import warm_python; print(warm_python.REAL)").stdout == f"{warm_python.REAL}\n"
 
 
 def test_a_real_interpreter_handed_a_client_starts_its_jobs_there():

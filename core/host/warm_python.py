@@ -3,10 +3,11 @@ test suite's subprocesses, device_probe's fixed-cost runs (lab.bench's predictio
 
 Every such process (each rank of a 2-process run, each torchrun "machine") spent 10-20 s of CPU on a 2-core machine
 importing torch, Lightning, torchmetrics and transformers before its first line ran, for a job of a few seconds; the
-suite starts some two hundred, the lab's performance model twenty. Here one server (per pytest worker, per bench,
-per `make lab`) imports them once and forks a child per command, the way a DataLoader forks its workers from a
-process that has imported torch. bench-gpt's cases run real interpreters: a forked child's resident memory counts the
-server's pages it touches (3% more at a run's peak, measured), and its table reports the memory of what a user runs.
+suite starts some two hundred, the lab's performance model twenty. Here one server (per test suite, whose
+pytest-xdist workers are its children too; per bench, per `make lab`) imports them once and forks a child per
+command, the way a DataLoader forks its workers from a process that has imported torch. bench-gpt's cases run real
+interpreters: a forked child's resident memory counts the server's pages it touches (3% more at a run's peak,
+measured), and its table reports the memory of what a user runs.
 The lab's other stages measure time and accuracy, which a fork leaves as they are (docs/lab.md).
 `executable()` is a small client that takes the place of `python`: it hands its arguments, environment, working
 folder and descriptors to the server, which forks; the child runs the script as `python script.py ...` would (as
@@ -133,7 +134,6 @@ os._exit(os.waitstatus_to_exitcode(status))
 """
 
 
-REAL = sys.executable  # the interpreter itself, for the tests that look at a real process tree
 SHARED = "FABRIC_LAB_WARM_CLIENT"  # a server's client handed to a real interpreter (make lab's bench-gpt) to use
 
 
@@ -162,6 +162,17 @@ def is_client(path: str) -> bool:
             return CLIENT.splitlines()[1].encode() in f.read(200)
     except OSError:
         return False
+
+
+def real_interpreter() -> str:
+    """The interpreter itself: in a warm child sys.executable is the client, whose first line names it."""
+    if not is_client(sys.executable):
+        return sys.executable
+    with open(sys.executable) as f:
+        return f.readline()[2:].rsplit(" -S", 1)[0]
+
+
+REAL = real_interpreter()  # for the tests that look at a real process tree, and for FABRIC_LAB_WARM=0
 
 
 def install() -> None:
