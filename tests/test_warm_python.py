@@ -120,6 +120,10 @@ def test_processes_a_command_starts_are_warm_and_load_time_settings_get_a_real_i
     nested = run("-c", "import subprocess, sys; print(subprocess.run([sys.executable, '-c', 'import sys; "
                  "print(sys.executable)'], capture_output=True, text=True).stdout.strip())")
     assert nested.stdout.strip() == warm_python.executable() != warm_python.REAL
+    # multiprocessing's spawn passes -B where PYTHONDONTWRITEBYTECODE is set (device_probe's gloo probe): taken over
+    spawned = run("-u", "-B", "-c", "import sys; print(sys.executable, sys.dont_write_bytecode)")
+    assert spawned.stdout == f"{warm_python.executable()} True\n", spawned.stderr
+    assert run("-O", "-c", "import sys; print(sys.executable)").stdout.strip() == warm_python.REAL  # not taken over
     capped = run("-c", "import sys; print(sys.executable)", env={"ATEN_CPU_CAPABILITY": "default"})
     assert capped.stdout.strip() == warm_python.REAL  # read once by torch: a forked child would keep the server's
     worker = run("-c", "import sys; print(sys.executable)", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})

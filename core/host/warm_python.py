@@ -18,7 +18,7 @@ the job reaches every process the command started, and SIGKILL to it ends them a
 the client, so the ranks a run launches itself and torchrun's workers start warm too.
 
 What the child cannot take over from the server falls back to a real interpreter (the client execs it): interpreter
-options other than -u, -m and -c, and environment variables that libraries read once at import or load (instruction-
+options other than -u, -B, -m and -c, and environment variables that libraries read once at import or load (instruction-
 set caps, thread and allocator settings, PYTHONPATH, Hugging Face's settings), when they differ from the server's,
 and a CPU affinity other than the server's (`taskset`, a SLURM step's cores: torch counts its threads from it at load).
 OMP_NUM_THREADS, which OpenMP reads at load, is applied with torch.set_num_threads, as it would have taken effect.
@@ -53,6 +53,8 @@ LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_"
 APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
            "TORCHINDUCTOR_CACHE_DIR"}
 START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
+# interpreter options a child takes over: multiprocessing's spawn passes -B where PYTHONDONTWRITEBYTECODE is set
+TAKEN_OVER = ("-u", "-B")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGCONT, signal.SIGALRM)
 
@@ -200,7 +202,7 @@ def _start_server() -> str:
 def declines(argv: list[str], env: dict) -> bool:
     """Whether a real interpreter must run this command (see the module's docstring)."""
     rest = list(argv)
-    while rest and rest[0] == "-u":
+    while rest and rest[0] in TAKEN_OVER:
         rest.pop(0)
     if not rest or (rest[0].startswith("-") and (rest[0] not in ("-m", "-c") or len(rest) < 2)):
         return True
@@ -230,7 +232,7 @@ def run_child(argv: list[str], env: dict, cwd: str, mask: list[int]) -> None:
 def become_the_interpreter(argv: list[str], env: dict, cwd: str, mask: list[int]) -> list[str]:
     """What `python argv...` starts with: default signal handlers, the signals its starter held (`mask`), the
     folder, the environment (with what the imports set), the thread count, the standard streams; returns argv without
-    its -u."""
+    its -u and -B."""
     import io
 
     import torch
@@ -249,9 +251,13 @@ def become_the_interpreter(argv: list[str], env: dict, cwd: str, mask: list[int]
     os.environ.clear()
     os.environ.update({**imported, **env})
     tempfile.tempdir = None  # the server's imports looked its TMPDIR up once; the child's own is read at its first use
-    unbuffered = argv[0] == "-u" or bool(env.get("PYTHONUNBUFFERED"))
-    while argv[0] == "-u":
+    options = set()
+    while argv[0] in TAKEN_OVER:
+        options.add(argv[0])
         argv = argv[1:]
+    unbuffered = "-u" in options or bool(env.get("PYTHONUNBUFFERED"))
+    if "-B" in options:  # without it, the server's value: PYTHONDONTWRITEBYTECODE, the same as the child's
+        sys.dont_write_bytecode = True
     if "OMP_NUM_THREADS" in env:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     keep_the_servers_op_registrations()
