@@ -177,7 +177,7 @@ plan-check: $(SETUP) ## the plan against published GPU training runs: predicted,
 bench-gpt: $(SETUP) ## sweep strategies and precisions on equal data; writes a Markdown table
 	$(PY) -m lab.bench --out-dir $(call quote,$(RUNS)) gpt $(call flag,MODEL,--model) $(call flag,DEVICES,--devices) $(call flag,ACCELERATOR,--accelerator) $(ARGS)
 
-bench-text: $(SETUP) ## nanoGPT's shakespeare_char CPU recipe: fabric_gpt.py (float32, bf16; eager, compiled) against nanoGPT's loop
+bench-text: $(SETUP) ## nanoGPT's shakespeare_char CPU recipe: fabric_gpt.py (float32 and, with bf16 instructions, bf16; eager, compiled) against nanoGPT's loop
 	$(PY) -m lab.bench --out-dir $(call quote,$(RUNS)) text $(call flag,STEPS,--steps) $(call flag,DATA_DIR,--data-dir) $(ARGS)
 
 report: $(SETUP) ## write report/REPORT.md with figures from the runs under runs/
