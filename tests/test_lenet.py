@@ -301,6 +301,8 @@ def test_auto_precision_without_bf16_instructions_times_float32_alone(tmp_path, 
     precision, pad, probe = cpu_speed.lenet_cpu_choice(Config(pad_channels=8, cache_dir=str(tmp_path)), never)
     assert (precision, pad) == ("32-true", 8)
     assert cpu_speed.probe_line(probe) == f"auto: --precision 32-true ({cpu_speed.NO_BF16}; --precision forces one)"
+    # bf16 asked for without the instructions: emulated, its padding is not timed either (8, the layout's default)
+    assert cpu_speed.lenet_cpu_choice(Config(precision="bf16-mixed", cache_dir=str(tmp_path)), never) == ("bf16-mixed", 8, None)
     monkeypatch.setattr(cpu_speed, "native_bf16", lambda: True)  # with them both are timed (the key says which)
     assert cpu_speed.lenet_probe_key(Config())["precisions"] == list(cpu_speed.MEASURED)
 
