@@ -417,7 +417,8 @@ def bench_text(args) -> None:
         sys.exit(f"error: --eval-windows {args.eval_windows}: a multiple of the recipe's batch of {batch} is needed")
     common = [*NANOGPT_RECIPE, "--steps", args.steps, "--data-dir", args.data_dir, "--eval-batches", args.eval_windows // batch,
               "--log-every", max(1, args.steps // 4), "--out-dir", out, *args.extra]
-    cases = text_cases(common, native_bf16())
+    bf16_instructions = native_bf16()
+    cases = text_cases(common, bf16_instructions)
     results: dict = {name: [] for name in [NANOGPT, *cases]}
     for round_ in progress(range(args.repeats), "text bench"):
         for name in round_order(list(results), round_):
@@ -439,7 +440,7 @@ def bench_text(args) -> None:
         ratios = [r["tokens_per_s"] / n for r, n in zip(runs, nano)]
         lines.append(f"| {name} | {loss:.4f} | {speed:,.0f} | {speed / base:.2f}x | {statistics.median(ratios):.2f}x "
                      f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    if not native_bf16():
+    if not bf16_instructions:
         lines += ["", f"bf16 autocast left out: {NO_BF16}; `--precision auto` takes float32 here."]
     write_results(out, lines, {"cpu": cpu_label(), "steps": args.steps, "eval_windows": args.eval_windows,
                                "recipe": NANOGPT_RECIPE, "results": results})

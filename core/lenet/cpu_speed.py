@@ -150,12 +150,13 @@ def lenet_cpu_choice(cfg, make_model) -> tuple[str, int, dict | None]:
     precision, pad = cfg.precision, cfg.pad_channels
     if uses_gpu(cfg.accelerator):  # tensor cores take whole multiples of 8 channels
         return (gpu_precision() if precision == "auto" else precision), (8 if pad == "auto" else pad), None
-    emulated = precision == "auto" and not native_bf16()
+    bf16_instructions = native_bf16()
+    emulated = precision == "auto" and not bf16_instructions
     precision = "32-true" if emulated else precision
     # nothing padded in NCHW; the probe times float32 and bf16 steps only, and no emulated bf16 step: a run that asks
-    # for bf16 without bf16 instructions (a test, a comparison) has no speed to gain, and timing its padding took 22 s
-    # of a 2-step run in each precision's 30 on an AVX2 EPYC (tests/test_gpu_paths.py's dtype test: 30 s -> 8 s)
-    timed = MEASURED if native_bf16() else ("32-true",)
+    # for bf16 without bf16 instructions (a test, a comparison) has no speed to gain, and timing its padding took about
+    # 22 s of the 30 s of two 2-step runs, one in each precision, on an AVX2 EPYC (tests/test_gpu_paths.py's dtype test)
+    timed = MEASURED if bf16_instructions else ("32-true",)
     if pad == "auto" and (not cfg.channels_last or precision not in ("auto", *timed)):
         pad = 8 if cfg.channels_last else 0
     if "auto" not in (precision, pad):
