@@ -99,10 +99,11 @@ def section_lenet(rep: Report, runs: Path, chosen: Path | None) -> None:
         rep.note(f"run `{p.name}` has no record.json: it was interrupted or is still running. "
                  f"Continue it with `make lenet RESUME=auto RUN={p.name}`.")
     # the default activation's newest run when there is one (make lab also trains each activation after it), and of
-    # those one on the whole training set (a run cut short by --train-samples or --max-steps is a check, not a result)
+    # those one on the whole data set (a run cut short by --train-samples, --test-samples or --max-steps is a check,
+    # not a result)
     settings = {p: (load_json(p / RECORD) or {}).get("config", {}) for p in complete}
     defaults = [p for p in complete if settings[p].get("activation") == "relu"]
-    whole = [p for p in defaults if not settings[p].get("train_samples") and not settings[p].get("max_steps")]
+    whole = [p for p in defaults if not any(settings[p].get(k) for k in ("train_samples", "test_samples", "max_steps"))]
     run = chosen or newest([p / RECORD for p in whole or defaults or complete])
     run = run.parent if run and run.name == RECORD else run
     if run is None:

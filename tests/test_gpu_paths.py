@@ -76,10 +76,15 @@ def test_lenet_names_its_autocast_dtype_in_every_thread():
 
 
 def test_lenet_records_the_dtype_it_computed_in(mnist_dir, tmp_path):
+    """Each run evaluates on the first 500 test images (--test-samples): an evaluation of all 10,000 in emulated bf16
+    took 4.1 s on an AVX2 EPYC, float32's 0.3 s."""
     for precision, dtype in (("32-true", "torch.float32"), ("bf16-mixed", "torch.bfloat16")):
-        run_in_process("fabric_lenet.py", "--epochs", "1", "--max-steps", "2", "--no-tb-images", "--accelerator", "cpu",
-                       "--precision", precision, "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", precision)
-        assert record(tmp_path, precision)["compute_dtype"] == dtype
+        out = run_in_process("fabric_lenet.py", "--epochs", "1", "--max-steps", "2", "--no-tb-images", "--accelerator",
+                             "cpu", "--precision", precision, "--test-samples", "500", "--data-dir", mnist_dir,
+                             "--out-dir", tmp_path, "--run-name", precision).stdout
+        rec = record(tmp_path, precision)
+        assert rec["compute_dtype"] == dtype
+        assert sum(map(sum, rec["confusion"])) == 500 and "% (the first 500 test images)" in out, out[-2000:]
 
 
 def test_nvml_sampler_sees_only_the_visible_gpus():

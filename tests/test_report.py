@@ -151,8 +151,9 @@ def test_half_written_and_old_runs_give_notes(runs, tmp_path):
 
 
 def test_the_report_shows_a_run_on_the_whole_training_set_before_a_newer_check(runs, tmp_path):
-    """A quick check (--train-samples, --max-steps) made after the lab's LeNet-5 run is not the lab's result: the
-    report takes the newest relu run on the whole training set, and the check only where there is no such run."""
+    """A quick check (--train-samples, --test-samples, --max-steps) made after the lab's LeNet-5 run is not the lab's
+    result: the report takes the newest relu run on the whole data set, and the check only where there is no such
+    run."""
     folder = tmp_path / "runs"
     shutil.copytree(runs / "lenet-short", folder / "lenet-whole")
     record = json.loads((folder / "lenet-whole" / "record.json").read_text())
@@ -163,6 +164,9 @@ def test_the_report_shows_a_run_on_the_whole_training_set_before_a_newer_check(r
     os.utime(folder / "lenet-check" / "record.json", (later, later))  # the newer of the two
     text = report.main(["--runs", str(folder), "--out", str(tmp_path / "r")]).read_text()
     assert "Run `lenet-whole`" in text and "Run `lenet-check`" not in text
+    record["config"]["test_samples"] = 500  # evaluated on a part of the test set: a check too
+    (folder / "lenet-whole" / "record.json").write_text(json.dumps(record))
+    assert "Run `lenet-check`" in report.main(["--runs", str(folder), "--out", str(tmp_path / "r")]).read_text()
     shutil.rmtree(folder / "lenet-whole")
     assert "Run `lenet-check`" in report.main(["--runs", str(folder), "--out", str(tmp_path / "r")]).read_text()
 

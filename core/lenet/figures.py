@@ -67,7 +67,9 @@ def print_summary(fabric, summary: dict) -> None:
     fabric.print(f"\n{'class':>7} | accuracy")
     for digit, acc in enumerate(summary["per_class_acc"]):
         fabric.print(f"{digit:>7} | {100 * acc:6.2f}%")
-    fabric.print(f"{'all':>7} | {100 * summary['test_acc']:6.2f}%\n"
+    subset = summary.get("config", {}).get("test_samples")  # --test-samples: a check's figure, not MNIST's test set
+    fabric.print(f"{'all':>7} | {100 * summary['test_acc']:6.2f}%"
+                 + (f" (the first {subset:,} test images)" if subset else "") + "\n"
                  f"{count(summary['epochs'], 'epoch')}, {count(summary['steps'], 'step')} in "
                  f"{summary['train_time_s']:.1f} s of training ({summary['samples_per_s']:,.0f} samples/s"
                  + (f", steady {summary['samples_per_s_steady']:,.0f} after the first epoch"
