@@ -1251,11 +1251,18 @@ def test_step_timer_hands_back_each_step_at_the_check_point():
 
 def test_auto_attention_precision_follows_the_measurement(monkeypatch):
     """--attention-precision auto: float32 only for a 16-bit run on a CPU where the probe measured float32 SDPA
-    faster at the run's shape; the 16-bit type on GPUs and where it is the faster; float32 runs are left alone."""
+    faster at the run's shape; the 16-bit type on GPUs and where it is the faster; float32 runs are left alone.
+    Without bf16 instructions float32, with nothing measured."""
     from core.gpt import gpt_model
 
     asked = []
     monkeypatch.setattr(gpt_model, "float32_attention_faster", lambda *a: asked.append(a) or faster)
+    monkeypatch.setattr(gpt_model, "native_bf16", lambda: False)
+    cfg = gpt.resolve(gpt.Config(model="tiny", precision="bf16-mixed", accelerator="cpu"))
+    faster = False
+    assert gpt.resolve_attention(cfg, on_gpu=False) == "float32" and not asked
+    assert gpt.resolve_attention(cfg, on_gpu=True) == "autocast" and not asked
+    monkeypatch.setattr(gpt_model, "native_bf16", lambda: True)
     cfg = gpt.resolve(gpt.Config(model="tiny", precision="bf16-mixed", accelerator="cpu"))
     faster = True
     assert gpt.resolve_attention(cfg, on_gpu=False) == "float32"

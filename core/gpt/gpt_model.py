@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from core.run.hardware import sdpa_kernel
+from core.run.hardware import native_bf16, sdpa_kernel
 from core.run.measurements import cached, rank_threads, seconds_per_call, threads
 
 # name: (n_embd, n_layer, n_head, n_positions/seq_len, vocab_size)
@@ -262,12 +262,16 @@ def math_dtype(cfg) -> torch.dtype:
 def resolve_attention(cfg, on_gpu: bool) -> str:
     """--attention-precision auto as this run will compute it: float32 on a CPU where SDPA's forward and backward at
     the run's shape measure faster in float32 than in the run's 16-bit type (the CPU flash kernel's bf16 backward was
-    4x its float32 time on the AVX-512 BF16 EPYC, more than bf16 matmuls save), else the 16-bit type."""
+    4x its float32 time on the AVX-512 BF16 EPYC, more than bf16 matmuls save), else the 16-bit type. Without bf16
+    instructions float32, untimed, as --precision auto: emulated bf16 SDPA took 2.6-5.9x float32's time on an AVX2
+    EPYC at three shapes, and the 1.6B preset's probe alone 4.1 s."""
     if cfg.attention_precision != "auto":
         return cfg.attention_precision
     half = math_dtype(cfg)
     if on_gpu or half == torch.float32:
         return "autocast"
+    if half == torch.bfloat16 and not native_bf16():
+        return "float32"
     faster = float32_attention_faster(cfg.n_head // cfg.layout.tp_size, cfg.seq_len,
                                                 cfg.n_embd // cfg.n_head, cfg.micro_batch_size, half,
                                                 rank_threads(cfg.devices))
