@@ -413,14 +413,14 @@ def test_help_explains_every_flag(capsys):
 
 def test_a_lenet_step_reads_no_device_value_between_check_points(mnist_dir, tmp_path, monkeypatch):
     """The loss stays on the device until a log point, evaluation or checkpoint (one transfer for all the steps
-    since the last), and the shifts fill with a constant background: a run of 60 more steps reads nothing more
+    since the last), and the shifts fill with a constant background: a run of 30 more steps reads nothing more
     (the evaluation reads its figures once, whatever the number of test batches: two numbers and three lists)."""
     from conftest import host_reads
 
     common = ["--epochs", "1", "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--log-every", "1000",
               "--accelerator", "cpu"]
-    short = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "30", "--run-name", "short")
-    long = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "90", "--run-name", "long")
+    short = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "10", "--run-name", "short")
+    long = host_reads(monkeypatch, fabric_lenet, *common, "--max-steps", "40", "--run-name", "long")
     training = lambda reads: {k: v for k, v in reads.items() if k[1] != "evaluate"}  # noqa: E731
     assert training(long) == training(short) == {("tolist", "read"): 1}, (short, long)
     evaluation = {k: v for k, v in long.items() if k[1] == "evaluate"}  # 10 test batches, errors in each
