@@ -86,7 +86,8 @@ class Config(Parallel):  # cfg.layout: the parallel layout of its flags (core/ru
     mirror: str = opt("", "URL or folder with the MNIST .gz files (default: $MNIST_MIRROR, then upstream)",
                       check=flags.Source(), runtime=True)
     train_samples: int = opt(0, "train on the first N training images (0: all 60,000)", min=1, max=60000, zero=True)
-    test_samples: int = opt(0, "evaluate on the first N test images (0: all 10,000)", min=1, max=10000, zero=True)
+    test_samples: int = opt(0, "evaluate on the first N test images (0: all 10,000)", min=1, max=10000, zero=True,
+                            since=0)
     max_steps: int = opt(0, "stop after this many optimizer steps (0: all epochs)", min=0, runtime=True)
     out_dir: str = opt("runs", "folder holding one folder per run", check=flags.Folder(),
                        group="output and resumption", runtime=True)
