@@ -148,7 +148,8 @@ def test_a_resume_path_that_is_no_checkpoint_is_refused_before_fabric_with_the_r
 def test_checkpoint_from_before_a_setting_existed_is_compared_as_it_ran(mnist_dir, tmp_path):
     """A checkpoint whose config lacks a setting was made by older code: label smoothing did not exist, so it
     trained without it (0.0) and continuing under the new default 0.1 is refused; a setting with no known
-    older value is refused as unknown instead of being ignored."""
+    older value is refused as unknown instead of being ignored. --test-samples did not exist either: those runs
+    evaluated on all 10,000 images (0), the default, so it is no difference."""
     import json
 
     args = ["--epochs", "1", "--max-steps", "5", "--no-tb-images", "--data-dir", mnist_dir, "--out-dir", tmp_path,
@@ -156,12 +157,13 @@ def test_checkpoint_from_before_a_setting_existed_is_compared_as_it_ran(mnist_di
     run_in_process("fabric_lenet.py", *args)
     config_file = next((tmp_path / "old" / "checkpoints").glob("step-*")) / "config.json"
     config = json.loads(config_file.read_text())
-    del config["label_smoothing"], config["weight_decay"]
+    del config["label_smoothing"], config["weight_decay"], config["test_samples"]
     config_file.write_text(json.dumps(config))
     proc = run_in_process("fabric_lenet.py", *args, "--resume", "auto", "--max-steps", "6", check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "label_smoothing: checkpoint 0.0 vs now 0.1" in last
     assert "weight_decay: checkpoint not recorded (made before the setting existed) vs now 0.0005" in last
+    assert "test_samples" not in last
     config["weight_decay"] = 5e-4  # recorded again: only label smoothing is left to its older value
     config_file.write_text(json.dumps(config))
     resumed = run_in_process("fabric_lenet.py", *args, "--resume", "auto", "--max-steps", "6", "--label-smoothing", "0")
