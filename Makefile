@@ -58,7 +58,7 @@ help: ## list the targets
 # requirements.txt beside the builds (docs/tests.md: a fresh clone's make setup 121-126 s instead of 152-159 s when
 # pip still installed on one core; 94-120 s with uv instead of pip's 125-148 s).
 SETUP := $(VENV)/.setup
-GELU_SOURCES := gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_math.h
+GELU_SOURCES := gelu_ext/gelu.cpp gelu_ext/gelu_cuda.cu gelu_ext/gelu_checks.h gelu_ext/gelu_math.h
 $(VENV)/.setup: requirements.txt $(GELU_SOURCES)
 	@$(MAKE) --no-print-directory $(if $(filter -j%,$(MAKEFLAGS)),,-j 3) $(VENV)/.installed $(VENV)/.gelu $(VENV)/.ops
 	@touch $@

@@ -24,6 +24,7 @@ IMPLS = ("torch", "py", "cpp")
 ACTIVATIONS = ("relu", *(f"gelu_{impl}" for impl in IMPLS))
 SOURCE = Path(__file__).with_name("gelu.cpp")
 CUDA_SOURCE = Path(__file__).with_name("gelu_cuda.cu")
+CUDA_NAME = "gelu_ext_cuda"  # the CUDA kernels' library, loaded after the CPU one
 CUDA_ARCHS_WITHOUT_GPU = "8.0;9.0"  # no GPU to ask at build time: the course's A100 and the H100
 BUILD_ROOT = Path(os.environ.get("GELU_EXT_BUILD_DIR", Path(__file__).with_name("build")))
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -107,22 +108,23 @@ def cuda_toolkit() -> str | None:
     return None
 
 
-def build_plan() -> tuple[str, list[str], list[str], list[str], str | None]:
-    """(extension name, sources, C++ flags, nvcc flags, CUDA toolkit): the CPU build for this CPU's instruction set,
-    plus the CUDA kernel where cuda_toolkit() finds a toolkit. Each variant builds into gelu_ext/build/<name>."""
+def build_plan() -> list[tuple[str, list[str], list[str], str | None]]:
+    """The libraries to load, each (name, sources, compiler flags, CUDA toolkit) built into gelu_ext/build/<name>:
+    the CPU operator for this CPU's instruction set, then, where cuda_toolkit() finds a toolkit, gelu_cuda.cu's
+    kernels as a library of their own. The CPU library is the same with or without them, so it is compiled once
+    (make setup's) and a toolkit adds one source to compile, not two."""
     tag, flags = _simd_flags()
+    plan = [(f"gelu_ext_cpp_{tag}", [str(SOURCE)], ["-O3", "-fopenmp", *flags], None)]
     toolkit = cuda_toolkit()
-    if not toolkit:
-        return f"gelu_ext_cpp_{tag}", [str(SOURCE)], flags, [], None
-    return (f"gelu_ext_cpp_{tag}_cuda", [str(SOURCE), str(CUDA_SOURCE)], [*flags, "-DGELU_EXT_CUDA_KERNEL"],
-            ["-O3", "-DGELU_EXT_CUDA_KERNEL"], toolkit)
+    if toolkit:
+        plan.append((CUDA_NAME, [str(CUDA_SOURCE)], ["-O3"], toolkit))
+    return plan
 
 
 def is_built() -> bool:
     """Whether this machine's build of the operator exists (make setup makes it): a choice between kernels takes
     the C++ one only then, rather than compiling for half a minute inside a run."""
-    name = build_plan()[0]
-    return (BUILD_ROOT / name / f"{name}.so").exists()
+    return all((BUILD_ROOT / name / f"{name}.so").exists() for name, *_ in build_plan())
 
 
 _loaded = False
@@ -142,25 +144,35 @@ def load_cpp(verbose: bool = False) -> None:
     if shutil.which(compiler) is None:
         raise GeluBuildError(f"gelu_cpp needs a C++ compiler, and {compiler!r} was not found on PATH. "
                              "Fix: install one (e.g. `apt-get install g++`) or set CXX, or use --activation gelu_py.")
-    name, sources, flags, cuda_flags, toolkit = build_plan()
-    if not toolkit:  # a build without CUDA: torch's guess of a toolkit at the import below would mislead
+    plan = build_plan()
+    if not plan[-1][3]:  # a build without CUDA: torch's guess of a toolkit at the import below would mislead
         from core.run.hardware import hide_the_cuda_home_guess
 
         hide_the_cuda_home_guess()
     from torch.utils import cpp_extension  # imported here: it is slow and only the C++ path needs it
 
-    from core.host.extension_compiler import install, noted_build
+    from core.host.extension_compiler import install
 
     install()  # the venv's c++ (its script names this checkout's compiler wrapper, which may have moved)
 
     venv_bin = Path(sys.prefix) / "bin"  # its ninja, whatever the shell's PATH: another version rebuilds (strategies.py)
     if (venv_bin / "ninja").exists() and not os.environ.get("PATH", "").startswith(f"{venv_bin}:"):
         os.environ["PATH"] = f"{venv_bin}:{os.environ.get('PATH', '')}"
+    for name, sources, flags, toolkit in plan:  # the CPU library first: it defines the ops the CUDA one registers for
+        if toolkit:
+            cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = toolkit  # guessed from PATH at import: maybe a wrapper
+            if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+                os.environ["TORCH_CUDA_ARCH_LIST"] = CUDA_ARCHS_WITHOUT_GPU
+        _build_and_load(cpp_extension, name, sources, flags, toolkit, verbose)
+    _register_python_side()
+    _loaded = True
 
-    if toolkit:
-        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = toolkit  # it guesses from PATH at import: maybe a wrapper
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = CUDA_ARCHS_WITHOUT_GPU
+
+def _build_and_load(cpp_extension, name: str, sources: list[str], flags: list[str], toolkit: str | None,
+                    verbose: bool) -> None:
+    """One library of the plan, built if its sources or flags changed, under an flock (see load_cpp), then loaded."""
+    from core.host.extension_compiler import noted_build
+
     build_dir = BUILD_ROOT / name
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(BUILD_ROOT / f"{name}.flock", "w") as lock_file:
@@ -168,16 +180,15 @@ def load_cpp(verbose: bool = False) -> None:
         (build_dir / "lock").unlink(missing_ok=True)
         try:
             with noted_build(f"gelu_ext {name}", build_dir / f"{name}.so"):
-                cpp_extension.load(name=name, sources=sources, extra_cflags=["-O3", "-fopenmp", *flags],
-                                   extra_ldflags=["-fopenmp"], extra_cuda_cflags=cuda_flags, with_cuda=bool(toolkit),
+                cpp_extension.load(name=name, sources=sources, extra_cflags=[] if toolkit else flags,
+                                   extra_cuda_cflags=flags if toolkit else None,
+                                   extra_ldflags=[] if toolkit else ["-fopenmp"], with_cuda=bool(toolkit),
                                    build_directory=str(build_dir), is_python_module=False, verbose=verbose)
         except (RuntimeError, OSError) as e:
             raise GeluBuildError(f"building the gelu_ext C++ extension in {build_dir} failed: {e}. "
                                  "Fix: read the compiler output above; delete that folder to rebuild from scratch"
                                  + (f"; GELU_EXT_CUDA=0 builds without the CUDA kernel (toolkit {toolkit})" if toolkit
                                     else "") + ".") from e
-    _register_python_side()
-    _loaded = True
 
 
 def cuda_implementation() -> str:

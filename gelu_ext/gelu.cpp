@@ -13,8 +13,8 @@
 // pass, as PyTorch does for reduced precision.
 // Autograd is registered here too (GeluFunction below, at the dispatcher's Autograd key): a backward that is a C++
 // node, so that no Python runs in it (on CUDA, autograd's device thread would take the GIL for a Python backward).
-// CUDA tensors run the kernels of gelu_cuda.cu where the build had the CUDA toolkit (GELU_EXT_CUDA_KERNEL), else a
-// composition of ATen ops: correct, not a hand-written kernel. gelu_forward_scalar/gelu_backward_scalar run
+// CUDA tensors run the kernels of gelu_cuda.cu where the CUDA toolkit built its library (loaded after this one), else
+// a composition of ATen ops: correct, not a hand-written kernel. gelu_forward_scalar/gelu_backward_scalar run
 // gelu_math.h's one-value formulas (the CUDA kernel's body) over CPU tensors, so that CPU tests can check them.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -30,24 +30,13 @@
 #include <string>
 #include <utility>
 
+#include "gelu_checks.h"
 #include "gelu_math.h"
 
 namespace gelu_ext {
 
 using at::vec::Vectorized;
 constexpr int64_t kGrain = 16384;  // elements per parallel task: large enough to amortize thread wake-up
-
-bool is_tanh(const std::string& approximate) {
-  TORCH_CHECK(approximate == "none" || approximate == "tanh",
-              "gelu_ext: approximate must be 'none' or 'tanh', got '", approximate, "'");
-  return approximate == "tanh";
-}
-
-void check_input(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "gelu_ext: ", name,
-              " must be a floating-point tensor (float32, float64, float16, bfloat16), got ",
-              x.scalar_type(), "; convert it with .float() first");
-}
 
 template <typename T>
 struct Consts {
@@ -174,12 +163,6 @@ at::Tensor widen(const at::Tensor& t) {
   return (st == at::kHalf || st == at::kBFloat16) ? t.to(at::kFloat) : t;
 }
 
-// Elementwise work can run over the storage of any dense layout (e.g. channels_last activations of a
-// conv net) without a copy; only overlapping or gapped views are made contiguous first.
-at::Tensor dense(const at::Tensor& t) {
-  return t.is_non_overlapping_and_dense() ? t : t.contiguous();
-}
-
 at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
   check_input(input, "input");
   const bool tanh_approx = is_tanh(approximate);
@@ -195,21 +178,6 @@ at::Tensor gelu_forward_cpu(const at::Tensor& input, std::string approximate) {
     });
   });
   return y;
-}
-
-// The backward's operands (CPU and CUDA kernels): x dense, g in x's dtype, both walked in the same storage order.
-std::pair<at::Tensor, at::Tensor> backward_operands(const at::Tensor& grad, const at::Tensor& input) {
-  check_input(input, "input");
-  check_input(grad, "grad");
-  TORCH_CHECK(grad.sizes() == input.sizes(), "gelu_ext: grad shape ", grad.sizes(),
-              " differs from input shape ", input.sizes());
-  auto x = dense(input);
-  auto g = grad.to(x.scalar_type());
-  if (g.strides() != x.strides()) {
-    x = x.contiguous();
-    g = g.contiguous();
-  }
-  return {x, g};
 }
 
 at::Tensor gelu_backward_cpu(const at::Tensor& grad, const at::Tensor& input, std::string approximate) {
@@ -333,11 +301,11 @@ TORCH_LIBRARY_IMPL(gelu_ext, Autograd, m) {
   m.impl("gelu_forward", &gelu_forward_autograd);
 }
 
-#ifndef GELU_EXT_CUDA_KERNEL  // built with the toolkit, gelu_cuda.cu registers its kernels instead
-TORCH_LIBRARY_IMPL(gelu_ext, CUDA, m) {
+// Any device without a kernel of its own: CUDA, unless gelu_cuda.cu's library is loaded (a kernel registered for
+// the CUDA key takes precedence over this alias, without the warning a second CUDA registration would print).
+TORCH_LIBRARY_IMPL(gelu_ext, CompositeExplicitAutograd, m) {
   m.impl("gelu_forward", &gelu_forward_composite);
   m.impl("gelu_backward", &gelu_backward_composite);
 }
-#endif
 
 }  // namespace gelu_ext

@@ -1,6 +1,6 @@
-// GELU as CUDA kernels, registered for the CUDA dispatch key of gelu_ext::gelu_forward/gelu_backward when the
-// CUDA toolkit is present at build time (gelu_ext/__init__.py adds this file and -DGELU_EXT_CUDA_KERNEL; without
-// it gelu.cpp registers its composite of ATen ops). One thread computes kUnroll elements a block-width apart, so
+// GELU as CUDA kernels, registered for the CUDA dispatch key of gelu_ext::gelu_forward/gelu_backward: a library
+// of its own, which gelu_ext/__init__.py builds where it finds the CUDA toolkit and loads after gelu.cpp's (that one
+// defines the ops; without this one, CUDA tensors run its composite of ATen ops). One thread computes kUnroll elements a block-width apart, so
 // each warp's loads stay coalesced and every thread has kUnroll loads in flight before its first store: the
 // kernel is memory-bound, like ATen's own GELU. The formula is gelu_math.h's, computed in float for
 // float16/bfloat16 (and float), in double for double.
@@ -17,15 +17,10 @@
 #include <string>
 #include <utility>
 
+#include "gelu_checks.h"
 #include "gelu_math.h"
 
 namespace gelu_ext {
-
-// gelu.cpp's
-at::Tensor dense(const at::Tensor& t);
-void check_input(const at::Tensor& x, const char* name);
-bool is_tanh(const std::string& approximate);
-std::pair<at::Tensor, at::Tensor> backward_operands(const at::Tensor& grad, const at::Tensor& input);
 
 constexpr int kThreads = 256, kUnroll = 4;
 

@@ -133,8 +133,8 @@ import torch, gelu_ext
 print(gelu_ext.cuda_implementation())
 for op in ("gelu_forward", "gelu_backward"):
     print([line for line in torch._C._dispatch_dump(f"gelu_ext::{op}").splitlines() if line.startswith("CUDA:")])
-library = next(line.split()[-1] for line in open("/proc/self/maps") if "gelu_ext_cpp_" in line)
-print(library, b".nv_fatbin" in open(library, "rb").read())
+libraries = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/gelu_ext_" in line})
+print([(library.rsplit("/", 1)[-1], b".nv_fatbin" in open(library, "rb").read()) for library in libraries])
 """
 
 
@@ -143,18 +143,24 @@ print(library, b".nv_fatbin" in open(library, "rb").read())
 def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     """Build-only (no GPU here): with the CUDA toolkit, the extension holds device code for the course's GPUs and the
     CUDA dispatch key runs gelu_cuda.cu's kernels, not the ATen-op fallback. Without a GPU, `make setup` builds the
-    CPU variant only; GELU_EXT_CUDA=1 asks for the CUDA one (a fresh process: both register the same ops)."""
+    CPU library only; GELU_EXT_CUDA=1 asks for the kernels' library too (a fresh process, since the ops are
+    registered once a process), which loads beside the CPU library as built, not compiled again with it."""
+    gelu_ext.load_cpp()  # the CPU library, as make setup built it
+    cpu_library = gelu_ext.BUILD_ROOT / gelu_ext.build_plan()[0][0] / f"{gelu_ext.build_plan()[0][0]}.so"
+    built = cpu_library.stat().st_mtime_ns
     monkeypatch.setenv("GELU_EXT_CUDA", "1")
     if gelu_ext.cuda_toolkit() is None:
         pytest.skip("no CUDA toolkit (nvcc) or a CPU-only torch: the CPU build is the whole extension here")
     out = subprocess.run([sys.executable, "-c", CUDA_BUILD_CHECK], cwd=gelu_ext.SOURCE.parent.parent,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    implementation, forward, backward, library = out.stdout.strip().splitlines()[-4:]
-    assert implementation == "gelu_cuda.cu kernel"
+    implementation, forward, backward, libraries = out.stdout.strip().splitlines()[-4:]
+    assert implementation == "gelu_cuda.cu kernel" and "Overriding" not in out.stderr  # the composite is only a fallback
     for cuda in (ast.literal_eval(forward), ast.literal_eval(backward)):
         assert len(cuda) == 1 and "gelu_cuda.cu" in cuda[0], cuda
-    assert library.split()[0].endswith("_cuda.so") and library.split()[1] == "True"
+    # the CPU library as make setup built it, without device code, and the kernels' library beside it
+    assert ast.literal_eval(libraries) == [(cpu_library.name, False), ("gelu_ext_cuda.so", True)]
+    assert cpu_library.stat().st_mtime_ns == built  # not compiled again for the kernels' sake
 
 
 @pytest.mark.slow
@@ -170,7 +176,7 @@ def test_a_machine_without_a_gpu_builds_the_cpu_variant_only(monkeypatch):
     """What `make setup` builds on a machine with nvcc but no GPU: the kernel could not run there."""
     monkeypatch.delenv("GELU_EXT_CUDA", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert gelu_ext.cuda_toolkit() is None and not gelu_ext.build_plan()[0].endswith("_cuda")
+    assert gelu_ext.cuda_toolkit() is None and len(gelu_ext.build_plan()) == 1
     monkeypatch.setenv("GELU_EXT_CUDA", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert gelu_ext.cuda_toolkit() is None
@@ -185,7 +191,7 @@ def test_missing_compiler_is_one_clear_error(monkeypatch):
 
 def test_stale_build_lock_does_not_block(tmp_path):
     """A build killed mid-way leaves `lock` behind (older torch releases wait on it forever); the next load must not hang."""
-    lock = gelu_ext.BUILD_ROOT / gelu_ext.build_plan()[0] / "lock"
+    lock = gelu_ext.BUILD_ROOT / gelu_ext.build_plan()[0][0] / "lock"
     lock.write_text("")
     code = "import gelu_ext, torch; x = torch.randn(5); print(float((gelu_ext.gelu_cpp(x) - torch.nn.functional.gelu(x)).abs().max()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=gelu_ext.SOURCE.parent.parent, capture_output=True,
