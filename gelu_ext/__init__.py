@@ -255,7 +255,7 @@ def tanh_speeds(tokens: int, width: int, dtype: torch.dtype, n_threads: int, all
         return {"torch_s": times["torch"], "cpp_s": times["cpp"]}
 
     settings = {"tokens": tokens, "width": width, "dtype": str(dtype), "threads": n_threads, "kernel": KERNEL_VERSION}
-    return cached("gelu_tanh", settings, measure, allow_measure)
+    return cached("gelu_tanh", settings, measure, allow_measure, timed_threads=n_threads)
 
 
 # ----------------------------------------------------------------------------- module

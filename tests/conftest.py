@@ -31,6 +31,9 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     # torchrun (the tests of several nodes, of gpt.sbatch) makes a log folder per launch, /tmp/torchelastic_* by
     # default, and leaves it: here, with the cache, removed at the end (PET_LOG_DIR is its --log-dir)
     os.environ["PET_LOG_DIR"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "torchrun-logs")
+    # the workers fill the cores by design, so every timing has other processes beside it: kept all the same, as the
+    # tests of what is cached expect (measurements.quiet_enough; its own tests unset this)
+    os.environ["FABRIC_LAB_KEEP_BUSY_MEASUREMENTS"] = "1"
     # pytest-xdist starts its workers as sys.executable: so they are the warm python's children, with torch,
     # Lightning and transformers imported once for the whole suite, and one server for all (each worker had imported
     # them, and started a server of its own). The server's imports include anyio, a pytest plugin pytest would rewrite

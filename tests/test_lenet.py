@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -282,6 +283,24 @@ def test_auto_padding_is_the_faster_for_each_precision_and_left_alone_where_noth
     assert cpu_speed.lenet_cpu_choice(Config(accelerator="gpu", precision="32-true"), never) == ("32-true", 8, None)
     assert cpu_speed.lenet_cpu_choice(Config(channels_last=False, precision="32-true"), never) == ("32-true", 0, None)
     assert cpu_speed.lenet_cpu_choice(Config(precision="64-true"), never) == ("64-true", 8, None)
+
+
+def test_a_probe_taken_beside_other_processes_load_is_not_kept(tmp_path, monkeypatch):
+    """--precision auto's probe on a machine whose cores other processes fill (a spinning shell a core): the run takes its
+    answer, its line says it was not kept, and the next run measures again rather than reading a busy moment's
+    figures (measurements.quiet_enough)."""
+    monkeypatch.delenv("FABRIC_LAB_KEEP_BUSY_MEASUREMENTS", raising=False)
+    cfg = Config(batch_size=64, cache_dir=str(tmp_path))
+    make = lambda p: LeNet5(dataclasses.replace(cfg, pad_channels=p))  # noqa: E731
+    spin = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count())]
+    try:
+        probe = cpu_speed.lenet_cpu_choice(cfg, make)[2]
+        assert probe["cached"] is False and "not kept: the machine was busy" in cpu_speed.probe_line(probe)
+        assert not (tmp_path / "precision-probe.json").exists()
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
 
 
 def test_auto_precision_without_bf16_instructions_times_float32_alone(tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ the counted traffic of real 2-process runs."""
 import dataclasses
 import json
 import math
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -159,6 +161,43 @@ def test_a_short_measurement_never_waits_for_the_cache_and_is_stored_when_it_is_
     assert measurements.cached("peak", {"n": 1}, None, allow_measure=False) is None
     assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 8) == 8
     assert measurements.cached_unlocked("peak", {"n": 1}, lambda: 9) == 8
+
+
+def test_a_timing_beside_other_processes_load_is_this_runs_only(tmp_path, monkeypatch, capfd):
+    """A timing on every core while a process a core spins (as a probe taken beside a test suite, or a build) is
+    returned with a line saying why and not stored: the next run measures it again. FABRIC_LAB_KEEP_BUSY_MEASUREMENTS=1
+    (the suite's own setting) keeps it all the same; a measurement that times no threads of its own is kept."""
+    monkeypatch.setenv("FABRIC_LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv(measurements.KEEP_BUSY_ENV, raising=False)
+    calls, cores = [], os.cpu_count()
+
+    def timed():  # half a second of this process's own work, as a probe's windows are
+        calls.append(1)
+        end = time.process_time() + 0.5
+        while time.process_time() < end:
+            pass
+        return len(calls)
+    spin = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(cores)]
+    try:
+        time.sleep(0.2)  # both spinning
+        assert measurements.cached("busy", {}, timed, timed_threads=cores) == 1
+        assert measurements.cached("busy", {}, timed, timed_threads=cores) == 2  # not stored: measured again
+        assert "other processes used" in capfd.readouterr().err
+        assert measurements.cached("untimed", {}, timed) == 3  # no threads timed: nothing to disturb, stored
+        monkeypatch.setenv(measurements.KEEP_BUSY_ENV, "1")
+        assert measurements.cached("busy", {}, timed, timed_threads=cores) == 4
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert measurements.cached("busy", {}, timed, timed_threads=cores) == 4 and measurements.cached("untimed", {}, timed) == 3
+
+
+def test_a_timing_is_disturbed_only_where_its_threads_lacked_cores():
+    assert measurements.quiet_enough(0.3, 2, 2)  # a desktop's background beside a probe on both cores
+    assert not measurements.quiet_enough(0.6, 2, 2)
+    assert measurements.quiet_enough(1.0, 1, 2) and not measurements.quiet_enough(1.5, 1, 2)  # one rank's thread of two
+    assert measurements.quiet_enough(40, 8, 64) and not measurements.quiet_enough(60, 8, 64)
 
 
 def test_a_call_that_outlasts_its_measurement_is_timed_once_after_its_first():

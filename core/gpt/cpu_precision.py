@@ -47,7 +47,7 @@ def choose(cfg, n_threads: int, makers, matmul_peaks) -> dict:
     if known := cached("precision", settings, None, allow_measure=False):  # no model built, no lock taken
         return known
     steps = makers()
-    return cached("precision", settings, lambda: measure(settings, n_threads, steps))
+    return cached("precision", settings, lambda: measure(settings, n_threads, steps), timed_threads=n_threads)
 
 
 def probe_flops(cfg) -> float:

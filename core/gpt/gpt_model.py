@@ -315,7 +315,8 @@ def float32_attention_faster(heads: int, seq_len: int, head_dim: int, micro_batc
     length (a 100,000-position run's forward and backward took minutes a call) would cost more than the run."""
     settings = {"heads": heads, "seq_len": min(seq_len, ATTENTION_PROBE_POSITIONS), "head_dim": head_dim,
                 "micro_batch": micro_batch, "dtype": str(dtype), "threads": n_threads}
-    return cached("attention", settings, lambda: _measure_attention(settings, dtype, n_threads))["float32_faster"]
+    return cached("attention", settings, lambda: _measure_attention(settings, dtype, n_threads),
+                  timed_threads=n_threads)["float32_faster"]
 
 
 def _measure_attention(settings: dict, dtype: torch.dtype, n_threads: int) -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from core.run.hardware import (NO_BF16, cpu_name, cpu_units, gpu_precision, isa_caps, keep_freed_memory_in_heap,
                                 native_bf16, uses_gpu)
-from core.run.measurements import MARGIN, cache_folder, clearly_faster, rank_threads, stored_or_measured
+from core.run.measurements import BUSY, MARGIN, cache_folder, clearly_faster, rank_threads, stored_or_measured
 from core.run import ranks
 
 
@@ -140,7 +140,8 @@ def choose_precision(key: dict, cache: Path, measure) -> dict:
         return {**chosen, "key": key, "samples_per_s": {p: statistics.median(w) for p, w in chosen["windows"].items()},
                 "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
 
-    entry, was_cached = stored_or_measured(cache, json.dumps(key, sort_keys=True), measure_entry)
+    entry, was_cached = stored_or_measured(cache, json.dumps(key, sort_keys=True), measure_entry,
+                                           timed_threads=key["threads"], what="LeNet-5's step")
     return {**entry, "cached": was_cached}
 
 
@@ -188,7 +189,8 @@ def measured_line(probe: dict) -> str:
     shown = lambda pad, w: f"{statistics.median(w):,.0f} ({f'padded to {pad}' if int(pad) else 'unpadded'})"  # noqa: E731
     speeds = ", ".join(f"{names[p]} " + " / ".join(shown(pad, w) for pad, w in by_pad.items())
                        for p, by_pad in probe["cases"].items())
-    when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s"
+    when = f"cached {probe['date']}" if probe["cached"] else f"measured now in {probe['probe_s']:.2f} s" + (
+        ", not kept: the machine was busy" if BUSY in probe else "")
     batch = f"{key['local_batch']}" + (", the probe's largest" if key["local_batch"] == PROBE_BATCH else "")
     bf16 = probe.get("why") or f"bf16 taken only {BF16_MARGIN:.2f}x faster"
     return (f"auto: --precision {probe['choice']} --pad-channels {probe['pad_channels']} (LeNet-5's step at batch "

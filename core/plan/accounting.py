@@ -78,7 +78,8 @@ def cpu_matmul_peak(precision: str) -> tuple[float, str]:
     utilizations of 160-708% (an AVX2 CPU). MFU is against the fastest, so it stays a share. Measured once per
     machine, precision and thread count (core/run/measurements.py's cache): on that AVX2 CPU it took 20 s of every bf16 run."""
     measure = lambda: list(_measure_matmul_peak(precision, PEAK_PROBE_N, PEAK_PROBE_SECONDS))  # noqa: E731
-    return tuple(measurements.cached_unlocked("matmul_peak", matmul_peak_settings(precision), measure))
+    settings = matmul_peak_settings(precision)
+    return tuple(measurements.cached_unlocked("matmul_peak", settings, measure, timed_threads=settings["threads"]))
 
 
 def forget_cpu_matmul_peak(precision: str) -> None:

@@ -60,7 +60,8 @@ def block_and_head(gpt2_config, micro_batch: int, precision: str, deepspeed: boo
                 "micro_batch": micro_batch, "precision": precision, "deepspeed": deepspeed, "threads": n_threads,
                 "attention": getattr(c, "_attn_implementation", None) or "as GPT2LMHeadModel picks", **on_device(device)}
     return cached("block", settings,
-                  lambda: _measure_block_and_head(c, micro_batch, precision, deepspeed, n_threads, device), allow_measure)
+                  lambda: _measure_block_and_head(c, micro_batch, precision, deepspeed, n_threads, device), allow_measure,
+                  timed_threads=n_threads if device == "cpu" else None)
 
 
 def _measure_block_and_head(c, b: int, precision: str, deepspeed: bool, n_threads: int, device: str = "cpu") -> dict:
@@ -101,7 +102,8 @@ def memory_bandwidth(n_threads: int, allow_measure: bool = True, device: str = "
             b = torch.empty_like(a)
             seconds = seconds_per_call(lambda: b.copy_(a), seconds=0.3, sync=synchronizer(device))
             return 2 * a.numel() * a.element_size() / seconds
-    return cached("memory", {"threads": n_threads, **on_device(device)}, measure, allow_measure)
+    return cached("memory", {"threads": n_threads, **on_device(device)}, measure, allow_measure,
+                  timed_threads=n_threads if device == "cpu" else None)
 
 
 def gloo_link() -> tuple[float, float]:

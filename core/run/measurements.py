@@ -39,9 +39,10 @@ def entry_name(kind: str, settings: dict) -> str:
     return json.dumps({"kind": kind, **machine_key(), **settings}, sort_keys=True)
 
 
-def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
+def cached(kind: str, settings: dict, measure, allow_measure: bool = True, timed_threads: int | None = None):
     """measure()'s result for (this machine, kind, settings): from the cache, else measured and added to it (None
-    when allow_measure is False and nothing is cached)."""
+    when allow_measure is False and nothing is cached). `timed_threads`: measure() times this process's own work on
+    that many threads, so a machine too busy for them while it ran makes the result this run's only (quiet_enough)."""
     path, name = cache_file(), entry_name(kind, settings)
     if not allow_measure:  # a look-up: the file is replaced whole (atomic rename), so no lock is needed, and none is
         # taken: the minimal job that a measurement runs looks up its own estimate while its parent holds the lock
@@ -49,7 +50,7 @@ def cached(kind: str, settings: dict, measure, allow_measure: bool = True):
             return json.loads(path.read_text()).get(name, {}).get("value")
         except (OSError, ValueError):
             return None
-    entry, _ = stored_or_measured(path, name, dated(measure))
+    entry, _ = stored_or_measured(path, name, dated(measure), timed_threads=timed_threads, what=kind)
     return entry["value"]
 
 
@@ -57,11 +58,15 @@ def dated(measure):
     return lambda: {"value": measure(), "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
 
 
-def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tuple[dict, bool]:
+def stored_or_measured(path: Path, name: str, measure, wait: bool = True, timed_threads: int | None = None,
+                       what: str = "a measurement") -> tuple[dict, bool]:
     """(the entry under `name` in the JSON file at `path`, True), else (measure()'s entry, added to the file, False).
     A file lock makes processes started together (a launcher's ranks) measure once and read the same answer; with
     `wait` False a process that finds the lock taken measures without it and stores nothing. A cache that cannot be
-    kept (a read-only or missing home, a full disk) costs a measurement per run, never the run: it says so, once."""
+    kept (a read-only or missing home, a full disk) costs a measurement per run, never the run: it says so, once.
+    With `timed_threads`, neither does a timing that other processes disturbed (quiet_enough): it says so."""
+    if timed_threads:
+        measure = watched(measure, timed_threads, what)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")
@@ -79,11 +84,57 @@ def stored_or_measured(path: Path, name: str, measure, wait: bool = True) -> tup
         if name in cache:
             return cache[name], True
         entry = measure()
+        if BUSY in entry:  # this run's answer, not the machine's
+            return entry, False
         try:
             write_json_atomic(path, {**cache, name: entry})
         except OSError as e:
             unkept(path, e, entry)
     return entry, False
+
+
+# ----------------------------------------------------------------------------- a timing that other processes disturbed
+BUSY = "busy"  # the entry's key saying why it was not kept
+KEEP_BUSY_ENV = "FABRIC_LAB_KEEP_BUSY_MEASUREMENTS"  # 1: keep them anyway (the test suite, whose workers fill the cores)
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of the machine has used since boot, the hypervisor's steal included (/proc/stat's
+    first line), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def quiet_enough(others: float, timed_threads: int, cores: int) -> bool:
+    """Whether a timing on `timed_threads` threads stands for the machine when other processes used `others` cores on
+    average meanwhile: each thread could still have had a core of its own, or the others stayed under half a core
+    (a desktop's background). A LeNet-5 probe taken beside a test suite on 2 cores read 700-3,300 samples/s for steps
+    that run 12,000-18,000 quiet (an AVX2 EPYC), and its choice would have stood for every later run."""
+    return others < 0.5 or others <= cores - timed_threads
+
+
+def watched(measure, timed_threads: int, what: str):
+    """measure(), its entry marked BUSY (with a line saying so) where other processes' load left its threads without
+    cores of their own (quiet_enough): /proc/stat's busy time over the measurement, less this process's own."""
+    def run():
+        before, own_before, started = busy_cpu_seconds(), time.process_time(), time.monotonic()
+        entry = measure()
+        after, own, wall = busy_cpu_seconds(), time.process_time() - own_before, time.monotonic() - started
+        if before is None or after is None or wall <= 0 or os.environ.get(KEEP_BUSY_ENV) == "1":
+            return entry
+        others, cores = max(0.0, (after - before - own) / wall), os.cpu_count() or 1
+        if quiet_enough(others, timed_threads, cores):
+            return entry
+        why = (f"other processes used {others:.1f} of this machine's {cores} cores while {what} was timed on "
+               f"{timed_threads} thread(s)")
+        print(f"note: {why}: its answer stands for this run only, and the next run measures it again", file=sys.stderr)
+        return {**entry, BUSY: why}
+    return run
 
 
 _UNKEPT: set = set()  # the cache folders this process could not write, each said once
@@ -118,13 +169,14 @@ def forget(kind: str, settings: dict) -> None:
             write_json_atomic(path, cache)
 
 
-def cached_unlocked(kind: str, settings: dict, measure):
+def cached_unlocked(kind: str, settings: dict, measure, timed_threads: int | None = None):
     """As cached(), for a measurement of a second or so taken inside any process, a minimal job that a locked
     measurement runs included: measured without waiting for the lock, and stored only when the lock is free."""
     value = cached(kind, settings, None, allow_measure=False)
     if value is not None:
         return value
-    return stored_or_measured(cache_file(), entry_name(kind, settings), dated(measure), wait=False)[0]["value"]
+    return stored_or_measured(cache_file(), entry_name(kind, settings), dated(measure), wait=False,
+                              timed_threads=timed_threads, what=kind)[0]["value"]
 
 
 MARGIN = 1.05  # a 16-bit path is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
