@@ -286,13 +286,13 @@ def test_auto_padding_is_the_faster_for_each_precision_and_left_alone_where_noth
 
 
 def test_a_probe_taken_beside_other_processes_load_is_not_kept(tmp_path, monkeypatch):
-    """--precision auto's probe on a machine whose cores other processes fill (a spinning shell a core): the run takes its
+    """--precision auto's probe on a machine whose cores other processes fill (two spinning shells a core): the run takes its
     answer, its line says it was not kept, and the next run measures again rather than reading a busy moment's
     figures (measurements.quiet_enough)."""
     monkeypatch.delenv("FABRIC_LAB_KEEP_BUSY_MEASUREMENTS", raising=False)
     cfg = Config(batch_size=64, cache_dir=str(tmp_path))
     make = lambda p: LeNet5(dataclasses.replace(cfg, pad_channels=p))  # noqa: E731
-    spin = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count())]
+    spin = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2 * os.cpu_count())]
     try:
         probe = cpu_speed.lenet_cpu_choice(cfg, make)[2]
         assert probe["cached"] is False and "not kept: the machine was busy" in cpu_speed.probe_line(probe)
