@@ -155,7 +155,7 @@ def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     implementation, forward, backward, libraries = out.stdout.strip().splitlines()[-4:]
-    assert implementation == "gelu_cuda.cu kernel" and "Overriding" not in out.stderr  # the composite is only a fallback
+    assert implementation == "gelu_cuda.cu kernel" and "Overriding" not in out.stderr  # the composite: a fallback
     for cuda in (ast.literal_eval(forward), ast.literal_eval(backward)):
         assert len(cuda) == 1 and "gelu_cuda.cu" in cuda[0], cuda
     # the CPU library as make setup built it, without device code, and the kernels' library beside it

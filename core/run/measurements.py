@@ -95,7 +95,7 @@ def stored_or_measured(path: Path, name: str, measure, wait: bool = True, timed_
 
 # ----------------------------------------------------------------------------- a timing that other processes disturbed
 BUSY = "busy"  # the entry's key saying why it was not kept
-KEEP_BUSY_ENV = "FABRIC_LAB_KEEP_BUSY_MEASUREMENTS"  # 1: keep them anyway (the test suite, whose workers fill the cores)
+KEEP_BUSY_ENV = "FABRIC_LAB_KEEP_BUSY_MEASUREMENTS"  # 1: keep them anyway (the suite, whose workers fill the cores)
 
 
 def busy_cpu_seconds() -> float | None:
@@ -114,8 +114,9 @@ def quiet_enough(others: float, timed_threads: int, cores: int) -> bool:
     """Whether a timing on `timed_threads` threads stands for the machine when other processes used `others` cores on
     average meanwhile: each thread could still have had a core of its own (a quarter of a core over for the system's
     own work: two ranks on 2 cores time their matmul peak side by side, one thread each), or the others stayed under
-    half a core (a desktop's background). A LeNet-5 probe taken beside a test suite on 2 cores read 700-3,300 samples/s for steps
-    that run 12,000-18,000 quiet (an AVX2 EPYC), and its choice would have stood for every later run."""
+    half a core (a desktop's background). A LeNet-5 probe taken beside a test suite on 2 cores read 700-3,300
+    samples/s for steps that run 12,000-18,000 quiet (an AVX2 EPYC), and its choice would have stood for every later
+    run."""
     return others < 0.5 or others <= cores - timed_threads + 0.25
 
 
@@ -131,8 +132,8 @@ def watched(measure, timed_threads: int, what: str):
         others, cores = max(0.0, (after - before - own) / wall), os.cpu_count() or 1
         if quiet_enough(others, timed_threads, cores):
             return entry
-        why = (f"other processes used {others:.1f} of this machine's {cores} cores while {what} was timed on "
-               f"{timed_threads} thread(s)")
+        why = (f"other processes used {others:.1f} of this machine's {cores} cores while the {what} measurement ran "
+               f"on {timed_threads} thread(s)")
         print(f"note: {why}: its answer stands for this run only, and the next run measures it again", file=sys.stderr)
         return {**entry, BUSY: why}
     return run
