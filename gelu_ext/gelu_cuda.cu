@@ -1,9 +1,9 @@
 // GELU as CUDA kernels, registered for the CUDA dispatch key of gelu_ext::gelu_forward/gelu_backward: a library
 // of its own, which gelu_ext/__init__.py builds where it finds the CUDA toolkit and loads after gelu.cpp's (that one
-// defines the ops; without this one, CUDA tensors run its composite of ATen ops). One thread computes kUnroll elements a block-width apart, so
-// each warp's loads stay coalesced and every thread has kUnroll loads in flight before its first store: the
-// kernel is memory-bound, like ATen's own GELU. The formula is gelu_math.h's, computed in float for
-// float16/bfloat16 (and float), in double for double.
+// defines the ops; without this one, CUDA tensors run its composite of ATen ops). One thread computes kUnroll
+// elements a block-width apart, so each warp's loads stay coalesced and every thread has kUnroll loads in flight
+// before its first store: the kernel is memory-bound, like ATen's own GELU. The formula is gelu_math.h's, computed
+// in float for float16/bfloat16 (and float), in double for double.
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h (every operator's header): a third of nvcc's time
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

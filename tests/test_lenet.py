@@ -286,11 +286,11 @@ def test_auto_padding_is_the_faster_for_each_precision_and_left_alone_where_noth
 
 
 def test_a_probe_taken_beside_other_processes_load_is_not_kept(tmp_path, monkeypatch):
-    """--precision auto's probe on a machine whose cores other processes fill (two spinning shells a core): the run takes its
-    answer, its line says it was not kept, and the next run measures again rather than reading a busy moment's
+    """--precision auto's probe on a CPU whose cores other processes fill (two spinning shells a core): the run takes
+    its answer, its line says it was not kept, and the next run measures again rather than reading a busy moment's
     figures (measurements.quiet_enough)."""
     monkeypatch.delenv("FABRIC_LAB_KEEP_BUSY_MEASUREMENTS", raising=False)
-    cfg = Config(batch_size=64, cache_dir=str(tmp_path))
+    cfg = Config(batch_size=64, cache_dir=str(tmp_path), accelerator="cpu")
     make = lambda p: LeNet5(dataclasses.replace(cfg, pad_channels=p))  # noqa: E731
     spin = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2 * os.cpu_count())]
     try:
