@@ -146,7 +146,8 @@ def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     CPU library only; GELU_EXT_CUDA=1 asks for the kernels' library too (a fresh process, since the ops are
     registered once a process), which loads beside the CPU library as built, not compiled again with it."""
     gelu_ext.load_cpp()  # the CPU library, as make setup built it
-    cpu_library = gelu_ext.BUILD_ROOT / gelu_ext.build_plan()[0][0] / f"{gelu_ext.build_plan()[0][0]}.so"
+    name = gelu_ext.build_plan()[0][0]
+    cpu_library = gelu_ext.BUILD_ROOT / name / f"{name}.so"
     built = cpu_library.stat().st_mtime_ns
     monkeypatch.setenv("GELU_EXT_CUDA", "1")
     if gelu_ext.cuda_toolkit() is None:

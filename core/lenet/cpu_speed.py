@@ -141,7 +141,7 @@ def choose_precision(key: dict, cache: Path, measure) -> dict:
                 "probe_s": time.perf_counter() - started, "date": f"{datetime.now():%Y-%m-%d %H:%M}"}
 
     entry, was_cached = stored_or_measured(cache, json.dumps(key, sort_keys=True), measure_entry,
-                                           timed_threads=key["threads"], what="LeNet-5 step")
+                                           timed_threads=key["threads"], what="the LeNet-5 step probe")
     return {**entry, "cached": was_cached}
 
 

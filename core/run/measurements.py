@@ -50,7 +50,8 @@ def cached(kind: str, settings: dict, measure, allow_measure: bool = True, timed
             return json.loads(path.read_text()).get(name, {}).get("value")
         except (OSError, ValueError):
             return None
-    entry, _ = stored_or_measured(path, name, dated(measure), timed_threads=timed_threads, what=kind)
+    entry, _ = stored_or_measured(path, name, dated(measure), timed_threads=timed_threads,
+                                  what=f"the {kind} measurement")
     return entry["value"]
 
 
@@ -59,7 +60,7 @@ def dated(measure):
 
 
 def stored_or_measured(path: Path, name: str, measure, wait: bool = True, timed_threads: int | None = None,
-                       what: str = "a measurement") -> tuple[dict, bool]:
+                       what: str = "the measurement") -> tuple[dict, bool]:
     """(the entry under `name` in the JSON file at `path`, True), else (measure()'s entry, added to the file, False).
     A file lock makes processes started together (a launcher's ranks) measure once and read the same answer; with
     `wait` False a process that finds the lock taken measures without it and stores nothing. A cache that cannot be
@@ -132,8 +133,8 @@ def watched(measure, timed_threads: int, what: str):
         others, cores = max(0.0, (after - before - own) / wall), os.cpu_count() or 1
         if quiet_enough(others, timed_threads, cores):
             return entry
-        why = (f"other processes used {others:.1f} of this machine's {cores} cores while the {what} measurement ran "
-               f"on {timed_threads} thread(s)")
+        why = (f"other processes used {others:.1f} of this machine's {cores} cores while {what} ran on "
+               f"{timed_threads} thread(s)")
         print(f"note: {why}: its answer stands for this run only, and the next run measures it again", file=sys.stderr)
         return {**entry, BUSY: why}
     return run
@@ -178,7 +179,7 @@ def cached_unlocked(kind: str, settings: dict, measure, timed_threads: int | Non
     if value is not None:
         return value
     return stored_or_measured(cache_file(), entry_name(kind, settings), dated(measure), wait=False,
-                              timed_threads=timed_threads, what=kind)[0]["value"]
+                              timed_threads=timed_threads, what=f"the {kind} measurement")[0]["value"]
 
 
 MARGIN = 1.05  # a 16-bit path is taken only this much faster, in 3 of 4 paired windows: its rounding for speed
