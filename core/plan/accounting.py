@@ -382,15 +382,16 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
         construction = (0 if on_gpu else partition * word) + 4 * largest_layer_params(cfg)
     else:
         construction = 4 * n_params
-    training = offload + (0 if on_gpu else device_plan["total"] + checkpointed_copies_resident(cfg) + zero3_bucket(cfg))
-    # Saving through Fabric's single-file checkpoint (one process, ddp) serializes the whole file into memory
-    # first (lightning's _atomic_save writes a BytesIO): the weights and optimizer states, once more. The gradients,
-    # freed after the step, are partly still in the process's heap, and so are autocast's 16-bit weight copies
-    # (freed_but_resident): measured on CPU, the peak is then states x 2 + those (docs/gpt.md)
-    states = device_plan["params"] + device_plan["optimizer"] + device_plan["master"]
     kept = freed_but_resident(cfg, word, copies=device_plan["weight_copies"] > 0,
                               activations=device_plan["block_activations"])
-    checkpoint = 0 if on_gpu or lay.sharded_states else 2 * states + kept
+    replicated_on_cpu = not on_gpu and lay.replicated
+    training = offload + (0 if on_gpu else device_plan["total"] + checkpointed_copies_resident(cfg) + zero3_bucket(cfg)
+                          + (tied_gradient_sum(cfg, word, device_plan) if replicated_on_cpu else 0))
+    # Fabric's single-file checkpoint (one process, ddp) is written by torch.save in place (checkpoints.WrittenInPlace):
+    # the weights and optimizer states it serializes are the process's own, and beside them the gradients and
+    # autocast's 16-bit weight copies the step freed, partly still in the process's heap (freed_but_resident)
+    states = device_plan["params"] + device_plan["optimizer"] + device_plan["master"]
+    checkpoint = states + kept if replicated_on_cpu else 0
     per_process = baseline + max(construction, training, checkpoint)
     return {"baseline": baseline, "construction": construction, "offload": offload, "training": training,
             "checkpoint": checkpoint, "per_process": per_process, "machine": per_process * cfg.devices}
@@ -434,18 +435,31 @@ def checkpointed_copies_resident(cfg) -> float:
     return (-(-cfg.n_layer // cfg.layout.pp_size) - 1) * heap_resident([n / t for n in block_matrices(cfg)], 2)
 
 
-def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> float:
+def freed_but_resident(cfg, word: int, copies: bool, activations: float, gradients: bool = True) -> float:
     """Bytes a replicated model's process still holds after a step freed them: the tensors under glibc's mmap
-    threshold among its gradients (word bytes an element), autocast's 16-bit weight copies (with `copies`) and the
-    blocks' activations. GPT-2 small's 154 MB embedding gradient goes back to the system, its 2-9 MB block matrices
-    stay. Measured with mallinfo2 before a save (GPT-2 small's width, 4 blocks, AVX-512 EPYC): 0.165 GiB of freed
-    heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing (0.239; every freed tensor counted, 0.375)."""
+    threshold among its gradients (word bytes an element; not with `gradients` False: still alive), autocast's
+    16-bit weight copies (with `copies`) and the blocks' activations. GPT-2 small's 154 MB embedding gradient goes
+    back to the system, its 2-9 MB block matrices stay. Measured with mallinfo2 before a save (GPT-2 small's width,
+    4 blocks, AVX-512 EPYC): 0.165 GiB of freed heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing
+    (0.239; every freed tensor counted, 0.375)."""
     h, V, L, s, b = cfg.n_embd, model_vocab(cfg), cfg.n_layer, positions(cfg), cfg.micro_batch_size
     matrices = block_matrices(cfg)
     biases_and_norms = block_params(cfg) - sum(matrices)
     grads = heap_resident((V * h, s * h), word) + L * (heap_resident(matrices, word) + biases_and_norms * word)
     weight_copies = L * heap_resident(matrices, 2) + heap_resident((V * h,), 2) if copies else 0
-    return grads + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)  # c_fc's output
+    return (grads if gradients else 0) + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)
+
+
+def tied_gradient_sum(cfg, word: int, device_plan: dict) -> float:
+    """What a replicated model on a CPU holds beyond the device plan's sum at the end of backward: autograd adds the
+    embedding's gradient to the tied head's out of place, so three whole vocabulary x width gradients are alive at
+    once (the head's, the embedding's and their sum) beside every other gradient, the step's activations freed into
+    the heap by then. The larger moment where the vocabulary outweighs the activations: GPT-2 small's width with 4
+    blocks at sequence 128, micro-batch 2 in float32 peaked 9% over the plan without it (2 x 147 MiB against 0.19 GiB
+    of activations; each tensor's bytes traced with a TorchDispatchMode, an AVX2 EPYC, docs/gpt.md)."""
+    resident = freed_but_resident(cfg, word, copies=device_plan["weight_copies"] > 0,
+                                  activations=device_plan["block_activations"], gradients=False)
+    return max(0.0, 2 * model_vocab(cfg) * cfg.n_embd * word + resident - device_plan["activations"])
 
 
 def process_baseline() -> float:

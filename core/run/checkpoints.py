@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 
 from core.run.files import PARTIAL, DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.ranks import any_rank
@@ -92,6 +93,30 @@ def damaged_files(path: Path) -> str | None:
         if is_zip and not zipfile.is_zipfile(f):
             return f"{f} is truncated (its zip directory is missing)"
     return None
+
+
+class WrittenInPlace(TorchCheckpointIO):
+    """Fabric's one-file checkpoint (one process, ddp) written by torch.save straight into the checkpoint's partial
+    folder, whose rename makes it whole. Lightning's own (`_atomic_save`) serializes the whole file into memory
+    first, a second copy of every weight and optimizer state on the host (on a GPU, the first), then writes it through
+    a file in the system's temporary folder, copied across when that folder is on another disk than the run's: a
+    small /tmp fills where the run's disk has room. Lightning's FSDP saves its full state with torch.save too."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes local files and takes no storage_options")
+        with open(path, "wb") as f:  # a Python file: a full disk is the OSError itself, not torch's "unexpected pos"
+            torch.save(checkpoint, f)
+
+
+def write_in_place(strategy) -> None:
+    """Give `strategy` the in-place writer where it takes Fabric's CheckpointIO plugin (one process and ddp save
+    through it; DeepSpeed takes it and saves with its engine); FSDP and model parallel refuse a plugin, and write
+    their files with torch.save and distributed checkpoints themselves."""
+    try:
+        strategy.checkpoint_io = WrittenInPlace()
+    except NotImplementedError:
+        pass
 
 
 class Checkpoints:

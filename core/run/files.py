@@ -116,10 +116,14 @@ def disk_full(write, folder) -> BaseException | None:
 
 
 def why_full(e: BaseException | None) -> str:
-    """A full disk's error in a few words, whatever library raised it (shutil.Error carries a list of them)."""
+    """A full disk's error in a few words, whatever library raised it (shutil.Error carries a list of them; torch.save
+    into a file raises its zip writer's own error over the file's OSError)."""
     if e is None:
         return "on another process"
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
     text = str(e)
     return next((s for s in FULL_TEXT if s in text), f"{type(e).__name__}: {text[:80]}")

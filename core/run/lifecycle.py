@@ -24,7 +24,7 @@ import torch
 
 from core.run import flags, folder_lock, full_disk, outputs
 from core.run.checkpoints import (RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files,
-                                  not_a_checkpoint, read_record)
+                                  not_a_checkpoint, read_record, write_in_place)
 from core.run.files import DiskFull, disk_full, free_bytes, why_full, write_json_atomic
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name
@@ -264,6 +264,7 @@ class Run:
         self.logger = outputs.EventLogger(root_dir=cfg.out_dir, name=cfg.run_name, version="")
         self.ckpts = Checkpoints(self.dir / "checkpoints", cfg.keep_last, per_rank_checkpoints, checkpoint_bytes,
                                  not_resumable)
+        write_in_place(fabric.strategy)
         full_disk.continue_with(self.ckpts.kept)  # a full disk met anywhere names the last checkpoint on disk
         self.last_checkpoint: Path | None = None
         self.stop = stop  # requested() at step boundaries; its signal names the stop
