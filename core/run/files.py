@@ -89,15 +89,19 @@ def free_bytes(folder) -> int:
     return shutil.disk_usage(nearest_existing(folder)).free
 
 
+def chain(e: BaseException):
+    """`e` and the errors it was raised from or while handling, outermost first."""
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def is_disk_full(e: BaseException, folder) -> bool:
     """Whether `e`, raised while writing into `folder`, means its disk (or quota) is full: an OSError's errno
     anywhere in its chain, the words a library put in its own error, or a write that failed where the disk has
     nothing left."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in FULL:
-            return True
-        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(seen, OSError) and seen.errno in FULL for seen in chain(e)):
+        return True
     text = f"{e} {e.args!r}"
     if any(s in text for s in FULL_TEXT):
         return True
@@ -120,10 +124,7 @@ def why_full(e: BaseException | None) -> str:
     into a file raises its zip writer's own error over the file's OSError)."""
     if e is None:
         return "on another process"
-    seen = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        seen = seen.__cause__ or seen.__context__
+    if (os_error := next((seen for seen in chain(e) if isinstance(seen, OSError) and seen.strerror), None)):
+        return os_error.strerror
     text = str(e)
     return next((s for s in FULL_TEXT if s in text), f"{type(e).__name__}: {text[:80]}")
