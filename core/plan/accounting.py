@@ -439,19 +439,25 @@ def checkpointed_copies_resident(cfg) -> float:
     return (-(-cfg.n_layer // cfg.layout.pp_size) - 1) * heap_resident([n / t for n in block_matrices(cfg)], 2)
 
 
-def freed_but_resident(cfg, word: int, copies: bool, activations: float, gradients: bool = True) -> float:
+def freed_activations(cfg, activations: float) -> float:
+    """The blocks' `activations` a process still holds once freed: all of them where each tensor is under glibc's
+    mmap threshold (the largest, the MLP's s·b·4h in float32), none where each went back to the system."""
+    return activations if positions(cfg) * cfg.micro_batch_size * 4 * cfg.n_embd * 4 < MMAP_THRESHOLD else 0
+
+
+def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> float:
     """Bytes a replicated model's process still holds after a step freed them: the tensors under glibc's mmap
-    threshold among its gradients (word bytes an element; not with `gradients` False: still alive), autocast's
-    16-bit weight copies (with `copies`) and the blocks' activations. GPT-2 small's 154 MB embedding gradient goes
+    threshold among its gradients (word bytes an element), autocast's 16-bit weight copies (with `copies`) and the
+    blocks' activations (freed_activations). GPT-2 small's 154 MB embedding gradient goes
     back to the system, its 2-9 MB block matrices stay. Measured with mallinfo2 before a save (GPT-2 small's width,
     4 blocks, AVX-512 EPYC): 0.165 GiB of freed heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing
     (0.239; every freed tensor counted, 0.375)."""
-    h, V, L, s, b = cfg.n_embd, model_vocab(cfg), cfg.n_layer, positions(cfg), cfg.micro_batch_size
+    h, V, L, s = cfg.n_embd, model_vocab(cfg), cfg.n_layer, positions(cfg)
     matrices = block_matrices(cfg)
     biases_and_norms = block_params(cfg) - sum(matrices)
     grads = heap_resident((V * h, s * h), word) + L * (heap_resident(matrices, word) + biases_and_norms * word)
     weight_copies = L * heap_resident(matrices, 2) + heap_resident((V * h,), 2) if copies else 0
-    return (grads if gradients else 0) + weight_copies + (activations if s * b * 4 * h * 4 < MMAP_THRESHOLD else 0)
+    return grads + weight_copies + freed_activations(cfg, activations)
 
 
 def tied_gradient_sum(cfg, word: int, device_plan: dict) -> float:
@@ -464,8 +470,7 @@ def tied_gradient_sum(cfg, word: int, device_plan: dict) -> float:
     16-bit weight copies, freed block by block as backward passes them, are not counted: the larger float32 gradients
     made after them reuse that heap (under bf16 with checkpointing the same run peaked 0.13 GiB under float32's, where
     counting them planned it 9% over; an AVX-512 BF16 EPYC)."""
-    resident = freed_but_resident(cfg, word, copies=False, activations=device_plan["block_activations"],
-                                  gradients=False)
+    resident = freed_activations(cfg, device_plan["block_activations"])  # the gradients are all alive here
     return max(0.0, 2 * model_vocab(cfg) * cfg.n_embd * word + resident - device_plan["activations"])
 
 
