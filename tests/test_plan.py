@@ -171,9 +171,9 @@ def test_a_timing_beside_other_processes_load_is_this_runs_only(tmp_path, monkey
     monkeypatch.delenv(measurements.KEEP_BUSY_ENV, raising=False)
     calls, cores = [], os.cpu_count()
 
-    def timed():  # half a second of this process's own work, as a probe's windows are
-        calls.append(1)
-        end = time.process_time() + 0.5
+    def timed():  # a tenth of a second of this process's own work (a probe's windows are longer: the spinning shells
+        calls.append(1)  # burn a core each for as long as it takes, and the load they make is the same at any length)
+        end = time.process_time() + 0.1
         while time.process_time() < end:
             pass
         return len(calls)
