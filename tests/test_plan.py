@@ -171,8 +171,10 @@ def test_a_timing_beside_other_processes_load_is_this_runs_only(tmp_path, monkey
     monkeypatch.delenv(measurements.KEEP_BUSY_ENV, raising=False)
     calls, cores = [], os.cpu_count()
 
-    def timed():  # a tenth of a second of this process's own work (a probe's windows are longer: the spinning shells
-        calls.append(1)  # burn a core each for as long as it takes, and the load they make is the same at any length)
+    # a tenth of a second of this process's own work a call: the spinning shells burn a core each for as long as the
+    # calls take, and the load they make is the same at any length (a probe's windows are longer)
+    def timed():
+        calls.append(1)
         end = time.process_time() + 0.1
         while time.process_time() < end:
             pass
