@@ -198,24 +198,32 @@ def lab(args) -> int:
 # EPYC's times scaled to the AVX-512 one said 12 min for its 7.8); once a lab has timed its stages here
 # (runs/lab/timings.json), those times.
 REFERENCES = {
-    "AMD EPYC, 2 cores (AVX2)": (129e9, {  # 2026-11-28 04:35, a fresh lab at f4f9a2a, 842 s in all (it said 15 min);
-        # bench-gpt: CPU Adam built in its first ZeRO-Offload case
+    "AMD EPYC (family 25, model 1), 2 cores (AVX2)": (129e9, {  # 2026-11-28 04:35, a fresh lab at f4f9a2a, 842 s in
+        # all (it said 15 min); bench-gpt: CPU Adam built in its first ZeRO-Offload case
         "data": 7, "text": 1, "lenet-relu": 63, "gelu-check": 1, "lenet-gelu_torch": 79, "lenet-gelu_py": 117,
         "lenet-gelu_cpp": 78, "bench-gelu": 37, "bench-lenet": 36, "gpt-text": 114, "bench-gpt": 308, "gpu-check": 0,
         "report": 2}),
-    "AMD EPYC, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # 2026-11-30 21:26, after a fresh clone's .ci/run
-        # at eef8622, 416 s in all (it said 9 min: gpt-text had been estimated, and both scripts now choose bf16 autocast)
+    "AMD EPYC (family 26, model 2), 2 cores (AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # 2026-11-30 21:26, after a
+        # fresh clone's .ci/run at eef8622, 416 s in all (it said 9 min: gpt-text had been estimated, and both scripts
+        # now choose bf16 autocast)
         "data": 4, "text": 1, "lenet-relu": 33, "gelu-check": 1, "lenet-gelu_torch": 37, "lenet-gelu_py": 63,
         "lenet-gelu_cpp": 34, "bench-gelu": 21, "bench-lenet": 24, "gpt-text": 40, "bench-gpt": 158, "gpu-check": 0,
         "report": 1}),
-    "Intel(R) Xeon(R) Processor, 2 cores (AVX-512 BF16, AVX-512, AVX2)": (258e9, {  # no AMX; 2026-11-28 22:17, a
-        # fresh clone at 0b3af48, 823 s in all (it said 7 min: the EPYC's times scaled by the matmul rate, 1.27x)
+    "AMD EPYC (family 25, model 17), 2 cores (AVX-512 BF16, AVX-512, AVX2)": (144e9, {  # the same name and
+        # instruction sets, 1.6-1.9x slower a stage; 2026-12-02 07:07, after a fresh clone's .ci/run at ac8a744, caches
+        # empty, 763 s in all (it said 7 min: the name alone had matched the other EPYC's)
+        "data": 8, "text": 1, "lenet-relu": 61, "gelu-check": 1, "lenet-gelu_torch": 71, "lenet-gelu_py": 114,
+        "lenet-gelu_cpp": 66, "bench-gelu": 35, "bench-lenet": 46, "gpt-text": 94, "bench-gpt": 263, "gpu-check": 0,
+        "report": 3}),
+    "Intel(R) Xeon(R) Processor (family 6, model 207), 2 cores (AVX-512 BF16, AVX-512, AVX2)": (258e9, {  # no AMX;
+        # 2026-11-28 22:17, a fresh clone at 0b3af48, 823 s in all (it said 7 min: the EPYC's times scaled by the
+        # matmul rate, 1.27x)
         "data": 7, "text": 1, "lenet-relu": 69, "gelu-check": 1, "lenet-gelu_torch": 82, "lenet-gelu_py": 110,
         "lenet-gelu_cpp": 83, "bench-gelu": 29, "bench-lenet": 48, "gpt-text": 99, "bench-gpt": 292, "gpu-check": 0,
         "report": 3}),
-    "Intel(R) Xeon(R) Processor, 2 cores (AMX-BF16, AVX-512 BF16, AVX-512, AVX2)": (216e9, {  # the same model with
-        # AMX; 2026-11-29 21:09, a fresh clone at 91923cc, 693 s in all (it said 8 min: the AVX-512 BF16 EPYC's times
-        # scaled by the matmul rate, 1.06x); both scripts chose bf16 autocast
+    "Intel(R) Xeon(R) Processor (family 6, model 207), 2 cores (AMX-BF16, AVX-512 BF16, AVX-512, AVX2)": (216e9, {
+        # the same model with AMX; 2026-11-29 21:09, a fresh clone at 91923cc, 693 s in all (it said 8 min: the
+        # AVX-512 BF16 EPYC's times scaled by the matmul rate, 1.06x); both scripts chose bf16 autocast
         "data": 7, "text": 1, "lenet-relu": 59, "gelu-check": 1, "lenet-gelu_torch": 73, "lenet-gelu_py": 106,
         "lenet-gelu_cpp": 65, "bench-gelu": 22, "bench-lenet": 33, "gpt-text": 52, "bench-gpt": 269, "gpu-check": 0,
         "report": 2}),

@@ -74,15 +74,20 @@ def _cpuinfo(field: str) -> str | None:
     """The first value of a /proc/cpuinfo field (Linux), else None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == field:
+                return value.strip()
     except OSError:
         pass
     return None
 
 
 def cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or "unknown"
+    """The CPU's model name with its family and model: a cloud guest's name is often the vendor's line alone ("AMD
+    EPYC" for a Zen 4 and a Zen 5, the same instruction sets and 1.8x apart in LeNet-5's time, docs/lab.md)."""
+    name = _cpuinfo("model name") or platform.processor() or "unknown"
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    return f"{name} (family {family}, model {model})" if family and model else name
 
 
 def cpu_units() -> list[str]:
