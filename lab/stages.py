@@ -210,7 +210,7 @@ REFERENCES = {
         "lenet-gelu_cpp": 34, "bench-gelu": 21, "bench-lenet": 24, "gpt-text": 40, "bench-gpt": 158, "gpu-check": 0,
         "report": 1}),
     "AMD EPYC (family 25, model 17), 2 cores (AVX-512 BF16, AVX-512, AVX2)": (144e9, {  # the same name and
-        # instruction sets, 1.6-1.9x slower a stage; 2026-12-02 07:07, after a fresh clone's .ci/run at ac8a744, caches
+        # instruction sets, 1.4-2.4x slower a stage; 2026-12-02 07:07, after a fresh clone's .ci/run at ac8a744, caches
         # empty, 763 s in all (it said 7 min: the name alone had matched the other EPYC's)
         "data": 8, "text": 1, "lenet-relu": 61, "gelu-check": 1, "lenet-gelu_torch": 71, "lenet-gelu_py": 114,
         "lenet-gelu_cpp": 66, "bench-gelu": 35, "bench-lenet": 46, "gpt-text": 94, "bench-gpt": 263, "gpu-check": 0,
