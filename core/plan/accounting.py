@@ -389,8 +389,9 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
     replicated_on_cpu = not on_gpu and lay.replicated
     # on a CPU, the larger of two moments beyond the device plan: backward's start, the forward's freed 16-bit copies
     # still in the heap, and its end, where the gradients have reused that heap and the tied sum is made out of place
-    training = offload + (0 if on_gpu else device_plan["total"] + zero3_bucket(cfg) + max(
-        checkpointed_copies_resident(cfg), tied_gradient_sum(cfg, word, device_plan) if replicated_on_cpu else 0))
+    training = offload + (0 if on_gpu else device_plan["total"] + zero3_on_cpu(cfg, n_params, word, device_plan)
+                          + max(checkpointed_copies_resident(cfg),
+                                tied_gradient_sum(cfg, word, device_plan) if replicated_on_cpu else 0))
     # Fabric's single-file checkpoint (one process, ddp) is written by torch.save in place (checkpoints.WrittenInPlace):
     # the weights and optimizer states it serializes are the process's own, and beside them the gradients and
     # autocast's 16-bit weight copies the step freed, partly still in the process's heap (freed_but_resident)
@@ -401,15 +402,27 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
             "checkpoint": checkpoint, "per_process": per_process, "machine": per_process * cfg.devices}
 
 
-def zero3_bucket(cfg) -> float:
-    """ZeRO-3 across data-parallel ranks on a CPU, without offload: DeepSpeed's gradient bucket (contiguous_gradients),
-    allocated whole at REDUCE_BUCKET elements of the weights' word, resident whatever the model's size. Measured
-    (GPT-2 small's width, 4 blocks, micro-batch 4, sequence 1024, 2 ranks, AMX Xeon): the peak 0.38 GiB over the plan
-    under bf16 and 0.80 GiB in float32 without it, 0.1 GiB on one rank (docs/gpt.md). ZeRO-Infinity's 1.6B run
-    peaked 4-8% under its plan without it, so offload's plan, measured on its own, is left as it was."""
+DEEPSPEED_MAX_LIVE_PARAMETERS = int(1e9)  # stage3_max_live_parameters, DeepSpeed's default (deepspeed_config keeps it)
+
+
+def zero3_on_cpu(cfg, n_params: int, word: int, device_plan: dict) -> float:
+    """ZeRO-3 across data-parallel ranks on a CPU, without offload: what a rank holds at its peak beyond its partition
+    (the device plan's states and one gathered layer, as DeepSpeed's estimator counts them):
+      - the whole gradients, twice: DeepSpeed copies each into its gradient bucket (REDUCE_BUCKET elements, made with
+        torch.empty: resident only as far as they fill it), and reduce_scatter_coalesced concatenates them again
+      - the gradients autograd made, freed once copied and kept in glibc's heap where small (freed_gradients)
+      - the tied embedding's gradient summed out of place, as on one process (tied_gradient_sum)
+      - the parameters kept gathered after use, up to the live-parameter limit, beyond the one layer counted
+    Measured against rank 0's peak on 2 ranks (GPT-2 small's width at sequence 128, micro-batch 2, and 384 wide at
+    256; a Zen 4 EPYC, docs/gpt.md): within 2.5% over four shapes in float32 and bf16. The bucket counted whole
+    (0.75 GiB in float32) had planned the tiny model 72% over its peak and 384 wide 25%. ZeRO-Infinity's 1.6B run
+    peaked 4-8% under its plan without these, so offload's plan, measured on its own, is left as it was."""
     lay = cfg.layout
-    return REDUCE_BUCKET * weight_bytes(cfg) if (lay.deepspeed and lay.zero_stage == 3 and lay.dp_size > 1
-                                                 and not lay.offload) else 0.0
+    if not (lay.deepspeed and lay.zero_stage == 3 and lay.dp_size > 1 and not lay.offload):
+        return 0.0
+    gathered = max(0.0, min(n_params, DEEPSPEED_MAX_LIVE_PARAMETERS) * word - 4 * largest_layer_params(cfg))
+    return (2 * min(REDUCE_BUCKET, n_params) * word + freed_gradients(cfg, word)
+            + tied_gradient_sum(cfg, word, device_plan) + gathered)
 
 
 # glibc serves an allocation of 32 MiB or more (its largest mmap threshold) from mmap and unmaps it when freed;
@@ -452,12 +465,18 @@ def freed_but_resident(cfg, word: int, copies: bool, activations: float) -> floa
     back to the system, its 2-9 MB block matrices stay. Measured with mallinfo2 before a save (GPT-2 small's width,
     4 blocks, AVX-512 EPYC): 0.165 GiB of freed heap in float32 (planned 0.153), 0.200 under bf16 with checkpointing
     (0.239; every freed tensor counted, 0.375)."""
+    matrices = block_matrices(cfg)
+    weight_copies = cfg.n_layer * heap_resident(matrices, 2) + heap_resident((model_vocab(cfg) * cfg.n_embd,), 2)
+    return freed_gradients(cfg, word) + (weight_copies if copies else 0) + freed_activations(cfg, activations)
+
+
+def freed_gradients(cfg, word: int) -> float:
+    """The model's gradients (word bytes an element) that glibc keeps in the heap once freed: the block matrices,
+    biases and norms and the position embedding, not the vocabulary's."""
     h, V, L, s = cfg.n_embd, model_vocab(cfg), cfg.n_layer, positions(cfg)
     matrices = block_matrices(cfg)
     biases_and_norms = block_params(cfg) - sum(matrices)
-    grads = heap_resident((V * h, s * h), word) + L * (heap_resident(matrices, word) + biases_and_norms * word)
-    weight_copies = L * heap_resident(matrices, 2) + heap_resident((V * h,), 2) if copies else 0
-    return grads + weight_copies + freed_activations(cfg, activations)
+    return heap_resident((V * h, s * h), word) + L * (heap_resident(matrices, word) + biases_and_norms * word)
 
 
 def tied_gradient_sum(cfg, word: int, device_plan: dict) -> float:
