@@ -789,7 +789,6 @@ def test_host_plan_against_the_measured_peak_of_a_run(tmp_path, args, saves):
     assert f"host {plan['per_process'] / 2**30:.3g} a process (libraries {plan['baseline'] / 2**30:.3g}" in proc.stdout
 
 
-
 @pytest.mark.slow  # two real ranks of a 30M-parameter model
 def test_zero3_host_plan_on_two_ranks_against_the_measured_peak(tmp_path):
     """ZeRO-3 on 2 CPU ranks (384 wide, 6 blocks, 30M parameters, float32, fresh interpreters): rank 0's planned host

@@ -414,7 +414,7 @@ def zero3_on_cpu(cfg, n_params: int, word: int, device_plan: dict) -> float:
       - the tied embedding's gradient summed out of place, as on one process (tied_gradient_sum)
       - the parameters kept gathered after use, up to the live-parameter limit, beyond the one layer counted
     Measured against rank 0's peak on 2 ranks (GPT-2 small's width at sequence 128, micro-batch 2, and 384 wide at
-    256; a Zen 4 EPYC, docs/gpt.md): within 2.5% over four shapes in float32 and bf16. The bucket counted whole
+    256; a Zen 4 EPYC, docs/gpt.md): -3.7% to +0.7% over four shapes in float32 and bf16. The bucket counted whole
     (0.75 GiB in float32) had planned the tiny model 72% over its peak and 384 wide 25%. ZeRO-Infinity's 1.6B run
     peaked 4-8% under its plan without these, so offload's plan, measured on its own, is left as it was."""
     lay = cfg.layout
