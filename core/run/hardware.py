@@ -2,6 +2,7 @@
 GPUs nvidia-smi sees, and the CPU's name and units that the records and benchmarks print beside every figure."""
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -72,14 +73,21 @@ def uses_gpu(accelerator: str) -> bool:
 
 def _cpuinfo(field: str) -> str | None:
     """The first value of a /proc/cpuinfo field (Linux), else None."""
+    return _cpuinfo_fields().get(field)
+
+
+@functools.cache
+def _cpuinfo_fields() -> dict:
+    """/proc/cpuinfo's fields, the first value of each, read once a process (the name, family, model and flags are
+    read for every cached measurement's key)."""
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == field:
-                return value.strip()
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return None
+    return fields
 
 
 def cpu_name() -> str:
