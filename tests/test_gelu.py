@@ -1,8 +1,11 @@
 """gelu_ext: both hand-written GELUs against F.gelu and gradcheck, the real C++ build, and a LeNet run."""
 
 import ast
+import re
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,6 +165,32 @@ def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     # the CPU library as make setup built it, without device code, and the kernels' library beside it
     assert ast.literal_eval(libraries) == [(cpu_library.name, False), ("gelu_ext_cuda.so", True)]
     assert cpu_library.stat().st_mtime_ns == built  # not compiled again for the kernels' sake
+    # device code for every kernel in every dtype the ops dispatch on, for each architecture: the device passes see
+    # no launch, only gelu_cuda.cu's explicit instantiations, and a dtype left out of them builds and loads without a
+    # word, its kernels neither registered nor in the fatbin (float16 left out: 12 kernels, each image 12)
+    registered, images = device_kernels(gelu_ext.BUILD_ROOT / gelu_ext.CUDA_NAME / f"{gelu_ext.CUDA_NAME}.so")
+    assert len(registered) == 16  # forward and backward, one by one and 16 bytes at a time, in 4 dtypes
+    assert len(images) == len(gelu_ext.CUDA_ARCHS_WITHOUT_GPU.split(";"))
+    assert all(registered <= kernels for kernels in images), (registered, images)
+
+
+def elf_sections(path: Path) -> dict[str, bytes]:
+    """The named sections of a 64-bit little-endian ELF file (a shared library), read as the ELF header lays them out."""
+    data = path.read_bytes()
+    (offset,) = struct.unpack_from("<Q", data, 0x28)
+    size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, offset + i * size) for i in range(count)]
+    names = data[headers[names_index][4]:headers[names_index][4] + headers[names_index][5]]
+    return {names[h[0]:names.index(b"\0", h[0])].decode(): data[h[4]:h[4] + h[5]] for h in headers}
+
+
+def device_kernels(library: Path) -> tuple[set, list[set]]:
+    """(the kernels a CUDA extension's host code registers, by the names it registers them with; the kernels each
+    device-code image of its fatbin holds, one image an architecture)."""
+    sections = elf_sections(library)
+    registered = set(re.findall(rb"_ZN8gelu_ext\w*kernel\w*", sections[".rodata"]))
+    images = sections[".nv_fatbin"].split(b"\x7fELF")[1:]
+    return registered, [set(re.findall(rb"\.nv\.info\.(_ZN8gelu_ext\w+)", image)) for image in images]
 
 
 @pytest.mark.slow
