@@ -1,6 +1,7 @@
 """gelu_ext: both hand-written GELUs against F.gelu and gradcheck, the real C++ build, and a LeNet run."""
 
 import ast
+import os
 import re
 import struct
 import subprocess
@@ -170,8 +171,9 @@ def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     # word, its kernels neither registered nor in the fatbin (float16 left out: 12 kernels, each image 12)
     registered, images = device_kernels(gelu_ext.BUILD_ROOT / gelu_ext.CUDA_NAME / f"{gelu_ext.CUDA_NAME}.so")
     assert len(registered) == 16  # forward and backward, one by one and 16 bytes at a time, in 4 dtypes
-    assert len(images) == len(gelu_ext.CUDA_ARCHS_WITHOUT_GPU.split(";"))
-    assert all(registered <= kernels for kernels in images), (registered, images)
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # the architectures it names
+        assert len(images) == len(gelu_ext.CUDA_ARCHS_WITHOUT_GPU.split(";"))
+    assert images and all(registered <= kernels for kernels in images), (registered, images)
 
 
 def elf_sections(path: Path) -> dict[str, bytes]:
