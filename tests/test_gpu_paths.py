@@ -334,6 +334,34 @@ def test_ops_compile_without_debug_information(tmp_path, monkeypatch):
     assert ".debug_info" in sections["system"] and ".debug_info" not in sections["venv"]
 
 
+def test_only_an_extensions_source_starts_python_in_the_venvs_cxx(tmp_path):
+    """torch asks the compiler for its version twice at each extension's load: the venv's `c++` hands those (and any
+    command that is not an extension's source, still without debug information) to the compiler itself, and starts
+    its Python file only for an extension's source (its python here a stand-in that leaves a mark)."""
+    import subprocess
+    import sys
+
+    extension_compiler.install()
+    python = os.path.join(sys.prefix, "bin", "python")
+    marked = tmp_path / "python"
+    marked.write_text(f'#!/bin/sh\ntouch "{tmp_path}/started"\nexec "{python}" "$@"\n')
+    marked.chmod(0o755)
+    cxx = tmp_path / "c++"
+    cxx.write_text(open(os.path.join(sys.prefix, "bin", "c++")).read().replace(f'"{python}"', f'"{marked}"'))
+    cxx.chmod(0o755)
+    version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip()[:1].isdigit() and not (tmp_path / "started").exists()
+    source = tmp_path / "op.cpp"
+    source.write_text("int step(int x) { return x + 1; }\n")
+    subprocess.run([cxx, "-g", "-c", source, "-o", tmp_path / "plain.o"], check=True)
+    assert not (tmp_path / "started").exists()
+    subprocess.run([cxx, "-DTORCH_EXTENSION_NAME=op", "-g", "-c", source, "-o", tmp_path / "op.o"], check=True)
+    assert (tmp_path / "started").exists()
+    for obj in ("plain.o", "op.o"):
+        sections = subprocess.run(["readelf", "-S", tmp_path / obj], capture_output=True, text=True, check=True).stdout
+        assert ".text" in sections and ".debug_info" not in sections, obj
+
+
 def test_the_op_named_to_precompile_reads_torch_extension_h_precompiled(tmp_path, monkeypatch):
     """Async I/O's way through the venv's `c++` (FABRIC_LAB_PRECOMPILE names it) without clang: GCC's
     torch/extension.h is compiled once

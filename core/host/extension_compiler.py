@@ -53,7 +53,11 @@ def install() -> None:
     here = Path(__file__).resolve()  # a checkout that moved it leaves the system's compiler, not a broken one
     script = (f"#!/bin/sh\n# torch extensions built in this venv: {here.name}\n"
               f'[ -f "{here}" ] || exec "{real}" "$@"\n'
-              f'exec "{python}" -I -S "{here}" "{real}" "$@"\n')
+              # only an extension's source needs this file; the rest (torch asks for the compiler's version twice at
+              # each extension's load, a Python started for each) goes to the compiler as this file would send it
+              "for arg do case $arg in -DTORCH_EXTENSION_NAME=*)\n"
+              f'  exec "{python}" -I -S "{here}" "{real}" "$@";; esac; done\n'
+              f'exec "{real}" "$@" -g0\n')
     if not venv_cxx.exists() or venv_cxx.read_text() != script:
         temporary = venv_cxx.with_suffix(f".{os.getpid()}")
         temporary.write_text(script)
