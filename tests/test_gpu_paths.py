@@ -340,6 +340,7 @@ def test_only_an_extensions_source_starts_python_in_the_venvs_cxx(tmp_path):
     its Python file only for an extension's source (its python here a stand-in that leaves a mark)."""
     import subprocess
     import sys
+    from pathlib import Path
 
     extension_compiler.install()
     python = os.path.join(sys.prefix, "bin", "python")
@@ -347,7 +348,7 @@ def test_only_an_extensions_source_starts_python_in_the_venvs_cxx(tmp_path):
     marked.write_text(f'#!/bin/sh\ntouch "{tmp_path}/started"\nexec "{python}" "$@"\n')
     marked.chmod(0o755)
     cxx = tmp_path / "c++"
-    cxx.write_text(open(os.path.join(sys.prefix, "bin", "c++")).read().replace(f'"{python}"', f'"{marked}"'))
+    cxx.write_text(Path(sys.prefix, "bin", "c++").read_text().replace(f'"{python}"', f'"{marked}"'))
     cxx.chmod(0o755)
     version = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, check=True)
     assert version.stdout.strip()[:1].isdigit() and not (tmp_path / "started").exists()

@@ -2,9 +2,10 @@
 without the debug information no run reads, and for the op named in $FABRIC_LAB_PRECOMPILE with torch/extension.h
 parsed once for all its sources rather than once for each.
 
-torch compiles with $CXX when set, else with the `c++` first on PATH: `install()` writes the venv's, which runs this
-file (standard library only: it starts once per source file). The command ninja records is the same `c++ ...` with
-or without it, so an op built either way is never rebuilt for the other.
+torch compiles with $CXX when set, else with the `c++` first on PATH: `install()` writes the venv's, a shell script
+that runs this file for an extension's source (standard library only: it starts once per source file) and hands
+every other command (a link, torch's version checks) to the compiler itself. The command ninja records is the same
+`c++ ...` with or without it, so an op built either way is never rebuilt for the other.
 
 Why. DeepSpeed's builders pass `-O3 -g`: without -g async I/O and pinned memory took 623 s of CPU instead of 873 (an
 AVX2 EPYC). Async I/O is compiled at -O0 and 9 of its 12 sources include torch/extension.h, 17-18 s of CPU each, two
