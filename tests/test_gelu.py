@@ -3,9 +3,9 @@
 import ast
 import os
 import re
-import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -176,22 +176,15 @@ def test_the_cuda_kernel_is_compiled_and_registered_where_nvcc_is(monkeypatch):
     assert images and all(registered <= kernels for kernels in images), (registered, images)
 
 
-def elf_sections(path: Path) -> dict[str, bytes]:
-    """The named sections of a 64-bit little-endian ELF file (a shared library), read as the ELF header lays them out."""
-    data = path.read_bytes()
-    (offset,) = struct.unpack_from("<Q", data, 0x28)
-    size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQIIQQ", data, offset + i * size) for i in range(count)]
-    names = data[headers[names_index][4]:headers[names_index][4] + headers[names_index][5]]
-    return {names[h[0]:names.index(b"\0", h[0])].decode(): data[h[4]:h[4] + h[5]] for h in headers}
-
-
 def device_kernels(library: Path) -> tuple[set, list[set]]:
     """(the kernels a CUDA extension's host code registers, by the names it registers them with; the kernels each
-    device-code image of its fatbin holds, one image an architecture)."""
-    sections = elf_sections(library)
-    registered = set(re.findall(rb"_ZN8gelu_ext\w*kernel\w*", sections[".rodata"]))
-    images = sections[".nv_fatbin"].split(b"\x7fELF")[1:]
+    device-code image of its fatbin holds, one image an architecture), from the two sections binutils' objcopy dumps."""
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run(["objcopy", "--dump-section", f".rodata={folder}/rodata", "--dump-section",
+                        f".nv_fatbin={folder}/fatbin", library, os.devnull], check=True)
+        rodata, fatbin = (Path(folder, name).read_bytes() for name in ("rodata", "fatbin"))
+    registered = set(re.findall(rb"_ZN8gelu_ext\w*kernel\w*", rodata))
+    images = fatbin.split(b"\x7fELF")[1:]
     return registered, [set(re.findall(rb"\.nv\.info\.(_ZN8gelu_ext\w+)", image)) for image in images]
 
 
