@@ -12,6 +12,7 @@ Outputs go to runs/<run-name>/: TensorBoard events, checkpoints/, config.json an
 import collections
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import sys
@@ -153,29 +154,48 @@ def epoch_order(n: int, epoch: int, cfg: Config, rank: int, world: int) -> torch
     return order.repeat(math.ceil(total / n))[:total][rank::world]
 
 
-def train_batches(train, order: torch.Tensor, start: int, cfg: Config, local_batch: int, train_tensors):
-    """Yield this rank's batches from batch `start` on, by in-memory slicing or through a DataLoader, each as
-    (samples, (images, labels))."""
+def train_batches(fabric: Fabric, cfg: Config, train, order: torch.Tensor, start: int, first_step: int,
+                  local_batch: int, train_windows):
+    """Yield this rank's batches from batch `start` on, on the device and shifted there (each step's shifts drawn from
+    its seed: step_shifts), each as (samples, (images, labels)); `first_step`: the global step of the epoch's batch 0.
+    In memory a batch and its shifts are one gather from the split's `train_windows` (datasets_local.windows, and
+    the labels); otherwise a DataLoader over `train` feeds them."""
+    steps = itertools.count(first_step + start)
     if cfg.data == "memory":
-        x, y = train_tensors
+        x, y = train_windows
         order = order.to(x.device)  # on a GPU the data set is there too: each batch a gather, no host copy
-        for i in range(start * local_batch, len(order), local_batch):
+        for step, i in zip(steps, range(start * local_batch, len(order), local_batch)):
             idx = order[i:i + local_batch]
-            yield len(idx), (x[idx], y[idx])
+            at = step_shifts(fabric, cfg, step, len(idx), x.device) if cfg.augment else (centre(x),) * 2
+            yield len(idx), (x[(idx, *at)].unsqueeze(1), y[idx])
     else:
         sampler = order[start * local_batch:].tolist()
-        for xb, yb in DataLoader(train, batch_size=local_batch, sampler=sampler, num_workers=cfg.num_workers):
+        loader = DataLoader(train, batch_size=local_batch, sampler=sampler, num_workers=cfg.num_workers)
+        for step, (xb, yb) in zip(steps, loader):
+            xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
+            if cfg.augment:
+                xb = datasets_local.shift(xb, *step_shifts(fabric, cfg, step, len(xb), xb.device))
             yield len(yb), (xb, yb)
 
 
+def step_shifts(fabric: Fabric, cfg: Config, step: int, n: int, device: torch.device) -> torch.Tensor:
+    """A step's shifts of its n images, (rows, columns), drawn on the device from the step's seed: the same draw
+    whichever path feeds the step, however many processes (whole_step.shift_seed: one seed per step and rank)."""
+    seed = whole_step.shift_seed(cfg, step, fabric)
+    return datasets_local.shift_offsets(n, torch.Generator(device).manual_seed(seed))
+
+
+def centre(windows: torch.Tensor) -> int:
+    """The window of datasets_local.windows that holds each image unshifted."""
+    return (windows.shape[1] - 1) // 2
+
+
 # ----------------------------------------------------------------------------- training
-def train_step(fabric: Fabric, model, optimizer, scheduler, xb, yb, cfg: Config, step: int) -> torch.Tensor:
-    """One optimizer step on a batch (shifted on the device it lives on); the loss stays on the device."""
+def train_step(fabric: Fabric, model, optimizer, scheduler, xb, yb, cfg: Config) -> torch.Tensor:
+    """One optimizer step on a batch (already shifted, on the device); the loss stays on the device."""
     xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
     if cfg.channels_last:
         xb = xb.contiguous(memory_format=torch.channels_last)
-    if cfg.augment:  # drawn where the batch is
-        xb = datasets_local.random_shift(xb, torch.Generator(xb.device).manual_seed(whole_step.shift_seed(cfg, step, fabric)))
     loss = F.cross_entropy(model(xb), yb, label_smoothing=cfg.label_smoothing)
     fabric.backward(loss)
     optimizer.step()
@@ -187,20 +207,22 @@ def train_step(fabric: Fabric, model, optimizer, scheduler, xb, yb, cfg: Config,
 def train(run: Run, model, optimizer, scheduler, data) -> dict:
     """The epoch loop: resumes at run.state["progress"], evaluates each epoch, checkpoints, stops on request."""
     fabric, cfg, progress = run.fabric, run.cfg, run.state["progress"]
-    train_set, test_tensors, train_tensors = data
+    train_set, test_tensors, train_windows = data
     world, local_batch = fabric.world_size, cfg.batch_size // fabric.world_size
     epoch_steps = steps_per_epoch(len(train_set), cfg, world)
     timer, losses = StepTimer(fabric.device), LossWatch(fabric, cfg.precision)
-    augment = cfg.augment and (datasets_local.shift_offsets, datasets_local.shift)
-    whole = cfg.cuda_graph and whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, train_tensors,
-                                                    local_batch, epoch_steps, augment)
+    draw = cfg.augment and (lambda step, n: step_shifts(fabric, cfg, step, n, fabric.device))
+    whole = cfg.cuda_graph and whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, train_windows,
+                                                    local_batch, epoch_steps, draw)
     shapes = collections.Counter()  # a new batch shape (an epoch's last batch) is compiled and captured anew
     result = {}
     while progress.epoch < cfg.epochs and not reached_max_steps(progress, cfg):
         epoch, epoch_start_time, data_wait, seen = progress.epoch, progress.train_time_s, 0.0, 0
         order = epoch_order(len(train_set), epoch, cfg, fabric.global_rank, world)
-        batches = (whole.epoch(order, progress.step_in_epoch, progress.global_step - progress.step_in_epoch) if whole
-                   else train_batches(train_set, order, progress.step_in_epoch, cfg, local_batch, train_tensors))
+        first_step = progress.global_step - progress.step_in_epoch
+        batches = (whole.epoch(order, progress.step_in_epoch, first_step) if whole else
+                   train_batches(fabric, cfg, train_set, order, progress.step_in_epoch, first_step, local_batch,
+                                 train_windows))
         left = epoch_steps - progress.step_in_epoch  # the bar counts the steps this run takes (--max-steps included)
         left = max(0, min(left, cfg.max_steps - progress.global_step)) if cfg.max_steps else left
         timer.start()
@@ -214,8 +236,7 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
                 data_wait += time.perf_counter() - t_fetch
                 # the sync check starts once the shape's warm-up (and the whole step's capture) is done
                 with host_sync_forbidden(cfg.sync_check and shapes[shape] > 3 + bool(whole)):
-                    loss = whole() if whole else train_step(fabric, model, optimizer, scheduler, *batch, cfg,
-                                                            progress.global_step)
+                    loss = whole() if whole else train_step(fabric, model, optimizer, scheduler, *batch, cfg)
                 timer.stop()  # the step and the fetch of its batch: training time; check points below are not
                 progress.step_in_epoch += 1
                 progress.global_step += 1
@@ -467,10 +488,10 @@ def main(argv=None) -> dict:
         if cfg.resume:
             fabric.print(f"continuing at epoch {progress.epoch + 1}, step {progress.global_step}")
         first_epoch_here, first_step_here = progress.epoch, progress.global_step
-        # in-memory data lives where the model does (on a GPU 190 MB, moved once): a step copies nothing from the host
+        # in-memory data lives where the model does (on a GPU 250 MB, moved once): a step copies nothing from the host
         on_device = lambda tensors: tuple(t.to(fabric.device) for t in tensors)  # noqa: E731
         data = (train_set, on_device(test_set.tensors()),
-                on_device(train_set.tensors()) if cfg.data == "memory" else None)
+                memory_windows(train_set, fabric.device) if cfg.data == "memory" else None)
         result = train(run, model, optimizer, scheduler, data)
         record = figures.summarize(fabric, cfg, result, progress, len(train_set), first_epoch_here, compute, probe)
         summary = run.finish(record, {f"hparams/{k}": result[k] for k in ("test_acc", "test_loss")},
@@ -489,6 +510,13 @@ def load_data(cfg: Config):
         if n:
             split.images, split.labels = split.images[:n], split.labels[:n]
     return train, test
+
+
+def memory_windows(train_set, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-memory path's training split on the device: its images as datasets_local.windows (every shift of each, a
+    view of one padded copy: 245 MB in float32), and its labels."""
+    images, labels = train_set.tensors()
+    return datasets_local.windows(images.to(device)), labels.to(device)
 
 
 def make_model(cfg: Config) -> tuple[nn.Module, dict]:

@@ -162,8 +162,7 @@ def test_lenets_whole_step_reads_nothing_from_the_device(dtype):
     mode = FakeTensorMode()
     cfg, fabric, model, optimizer, scheduler, (x, y) = fake_lenet(mode, dtype)
     with mode:
-        step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, (x, y), 512, 3,
-                                    (datasets_local.shift_offsets, datasets_local.shift))
+        step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, (datasets_local.windows(x), y), 512, 3)
         step.indices.copy_(torch.randint(0, 1100, step.indices.shape, device="cuda"))  # what epoch() loads
         step.offsets.copy_(torch.randint(0, 5, step.offsets.shape, device="cuda"))
         for _ in range(3):
@@ -184,7 +183,7 @@ def test_lenets_eager_step_reads_nothing_from_the_device():
         for step in range(3):
             xb, yb = x[512 * step:512 * (step + 1)], y[512 * step:512 * (step + 1)]
             xb = datasets_local.shift(xb, *torch.randint(0, 5, (2, len(xb)), device="cuda"))  # as random_shift does
-            loss = run_on_fake_cuda(fabric_lenet.train_step, fabric, model, optimizer, scheduler, xb, yb, cfg, step)
+            loss = run_on_fake_cuda(fabric_lenet.train_step, fabric, model, optimizer, scheduler, xb, yb, cfg)
     assert loss.device.type == "cuda"
 
 

@@ -545,7 +545,6 @@ def lenet_steps(mnist_dir, whole: bool, n: int = 1100, epochs: int = 2) -> tuple
     epoch), augmented, through the eager step or the whole step: each step's loss and the weights after."""
     from lightning.fabric import Fabric
 
-    import datasets_local
     from core.lenet import whole_step
 
     cfg = Config(accelerator="cpu", precision="32-true", train_samples=n, epochs=epochs, data_dir=str(mnist_dir))
@@ -556,9 +555,9 @@ def lenet_steps(mnist_dir, whole: bool, n: int = 1100, epochs: int = 2) -> tuple
     epoch_steps = fabric_lenet.steps_per_epoch(n, cfg, 1)
     optimizer, scheduler = fabric_lenet.make_optimizer(cfg, model, epochs * epoch_steps)
     model, optimizer = fabric.setup(model, optimizer)
-    x, y = train_set.tensors()
-    augment = (datasets_local.shift_offsets, datasets_local.shift)
-    step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, (x, y), 512, epoch_steps, augment) if whole else None
+    windows = fabric_lenet.memory_windows(train_set, fabric.device)
+    draw = lambda step, n: fabric_lenet.step_shifts(fabric, cfg, step, n, fabric.device)  # noqa: E731
+    step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, windows, 512, epoch_steps, draw) if whole else None
     losses, global_step = [], 0
     for epoch in range(epochs):
         order = epoch_order(n, epoch, cfg, 0, 1)
@@ -567,8 +566,8 @@ def lenet_steps(mnist_dir, whole: bool, n: int = 1100, epochs: int = 2) -> tuple
                 losses.append(float(step()))
                 global_step += 1
             continue
-        for _, (xb, yb) in fabric_lenet.train_batches(train_set, order, 0, cfg, 512, (x, y)):
-            losses.append(float(fabric_lenet.train_step(fabric, model, optimizer, scheduler, xb, yb, cfg, global_step)))
+        for _, (xb, yb) in fabric_lenet.train_batches(fabric, cfg, train_set, order, 0, global_step, 512, windows):
+            losses.append(float(fabric_lenet.train_step(fabric, model, optimizer, scheduler, xb, yb, cfg)))
             global_step += 1
     return losses, [p.detach().clone() for p in model.parameters()]
 

@@ -4,7 +4,8 @@ shape that changes, so that on a GPU it is captured once as a CUDA graph and eac
 kernel launches. The eager step (fabric_lenet.train_step) is its reference and it keeps that step's arithmetic:
 - the same samples: the epoch's order (fabric_lenet.epoch_order) as a table of full batches, the short last batch
   padded with samples of weight zero (one graph for every step; the loss is the mean over the real samples);
-- the same shifts: drawn for the whole epoch ahead, per step from the seeds the eager step uses;
+- the same shifts: drawn for the whole epoch ahead, per step from the seeds the eager step's batches use, and
+  gathered with the batch from the split's windows (datasets_local.windows), as the eager in-memory path does;
 - the same schedule: torch's scheduler steps on the host as before, and its learning rate and AdamW's beta1 (which
   OneCycleLR cycles) are written into two device scalars that the captured AdamW reads (graph_adamw.py: torch's
   capturable AdamW reads a tensor beta1 to the host, which a capture refuses).
@@ -24,14 +25,15 @@ WARM_UP = 3  # eager steps before the capture (PyTorch's whole-network example):
 
 class WholeStep:
     """Call it once per optimizer step; `epoch()` first loads an epoch's tables. Returns the step's loss (a device
-    tensor of its own, not yet read). `augment`: the shifts' draw and their application, (draw(n, generator),
-    apply(images, rows, columns)), datasets_local's (the data layer sits above this one); None: no shifts."""
+    tensor of its own, not yet read). `train_windows`: the split as (datasets_local.windows of its images, its labels);
+    `draw(step, n)`: a step's shifts of its n images, (rows, columns) on the device; None: no shifts (every image
+    through its centre window)."""
 
-    def __init__(self, fabric, cfg, model, optimizer, scheduler, train_tensors, local_batch: int, epoch_steps: int,
-                 augment=None):
+    def __init__(self, fabric, cfg, model, optimizer, scheduler, train_windows, local_batch: int, epoch_steps: int,
+                 draw=None):
         self.fabric, self.cfg, self.model, self.optimizer, self.scheduler = fabric, cfg, model, optimizer, scheduler
-        self.augment = augment
-        self.x, self.y = train_tensors
+        self.draw = draw
+        self.x, self.y = train_windows
         device = fabric.device
         self.captures = device.type == "cuda"
         self.at = torch.zeros(1, dtype=torch.long, device=device)  # the step within the epoch: the step advances it
@@ -40,7 +42,8 @@ class WholeStep:
         self.indices = torch.zeros((epoch_steps, local_batch), dtype=torch.long, device=device)  # loaded per epoch
         self.weights = (torch.arange(local_batch) < torch.tensor(self.step_samples)[:, None]).float().to(device)
         self.counts = torch.tensor(self.step_samples, dtype=torch.float32, device=device)  # the loss's divisors
-        self.offsets = torch.full((epoch_steps, 2, local_batch), 2, dtype=torch.long, device=device)  # shifts
+        centre = (self.x.shape[1] - 1) // 2  # the window of each image unshifted: the shifts where none are drawn
+        self.offsets = torch.full((epoch_steps, 2, local_batch), centre, dtype=torch.long, device=device)
         self.lr, self.beta1 = (torch.zeros((), device=device) for _ in range(2))  # float32, as the scheduler's numbers
         self.graph, self.graph_loss, self.steps_run = None, None, 0
         # AdamW's state made here, before any capture (inside one it would live in the graph's pool), or a resumed
@@ -63,10 +66,9 @@ class WholeStep:
         padded = torch.zeros(steps * batch, dtype=torch.long)
         padded[:len(order)] = order
         self.indices.copy_(padded.view(steps, batch))
-        if self.augment:
+        if self.draw:
             for s in range(start, steps):  # the eager step's draw, per step from its seed
-                self.offsets[s, :, :counts[s]] = self.augment[0](counts[s], torch.Generator(self.x.device).manual_seed(
-                    shift_seed(self.cfg, first_step + s, self.fabric)))
+                self.offsets[s, :, :counts[s]] = self.draw(first_step + s, counts[s])
         self.at.fill_(start)
         for s in range(start, steps):
             yield counts[s], None
@@ -114,12 +116,10 @@ class WholeStep:
         """One step, every shape fixed and every index read on the device."""
         cfg, at = self.cfg, self.at
         idx = self.indices.index_select(0, at).view(-1)
-        xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
+        oy, ox = self.offsets.index_select(0, at).view(2, -1)
+        xb, yb = self.x[idx, oy, ox].unsqueeze(1), self.y.index_select(0, idx)  # the batch and its shifts: one gather
         if cfg.channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
-        if self.augment:
-            oy, ox = self.offsets.index_select(0, at).view(2, -1)
-            xb = self.augment[1](xb, oy, ox)
         per_sample = F.cross_entropy(self.model(xb), yb, label_smoothing=cfg.label_smoothing, reduction="none")
         weights = self.weights.index_select(0, at).view(-1)
         loss = (per_sample * weights).sum() / self.counts.index_select(0, at).view(())
@@ -130,5 +130,5 @@ class WholeStep:
 
 
 def shift_seed(cfg, step: int, fabric) -> int:
-    """The seed of a step's shifts: one per step and rank (fabric_lenet.train_step draws with it)."""
+    """The seed of a step's shifts: one per step and rank (fabric_lenet.step_shifts draws with it)."""
     return cfg.seed * 1_000_003 + step * fabric.world_size + fabric.global_rank
