@@ -179,8 +179,8 @@ def train_batches(fabric: Fabric, cfg: Config, train, order: torch.Tensor, start
 
 
 def step_shifts(fabric: Fabric, cfg: Config, step: int, n: int, device: torch.device) -> torch.Tensor:
-    """A step's shifts of its n images, (rows, columns), drawn on the device from the step's seed: the same draw
-    whichever path feeds the step, however many processes (whole_step.shift_seed: one seed per step and rank)."""
+    """A step's shifts of its n images, (rows, columns), drawn on the device from the step's seed (one per step and
+    rank: whole_step.shift_seed): the same draw whichever path feeds the step (memory, DataLoader, whole step)."""
     seed = whole_step.shift_seed(cfg, step, fabric)
     return datasets_local.shift_offsets(n, torch.Generator(device).manual_seed(seed))
 
@@ -192,8 +192,7 @@ def centre(windows: torch.Tensor) -> int:
 
 # ----------------------------------------------------------------------------- training
 def train_step(fabric: Fabric, model, optimizer, scheduler, xb, yb, cfg: Config) -> torch.Tensor:
-    """One optimizer step on a batch (already shifted, on the device); the loss stays on the device."""
-    xb, yb = xb.to(fabric.device, non_blocking=True), yb.to(fabric.device, non_blocking=True)
+    """One optimizer step on a batch (on the device, shifted there: train_batches); the loss stays on the device."""
     if cfg.channels_last:
         xb = xb.contiguous(memory_format=torch.channels_last)
     loss = F.cross_entropy(model(xb), yb, label_smoothing=cfg.label_smoothing)

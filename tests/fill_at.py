@@ -76,7 +76,8 @@ def at_the_nth_call(function):
 def patch(script) -> None:
     if MOMENT == "step" and script.__name__ == "fabric_lenet":  # check_point(run, ...) after the step's count
         check_point = script.check_point
-        script.check_point = lambda run, *a: (run.state["progress"].global_step == AT and fill(), check_point(run, *a))[1]
+        script.check_point = lambda run, *a: (run.state["progress"].global_step == AT and fill(),
+                                              check_point(run, *a))[1]
     elif MOMENT == "step":  # take_step(run, ...) before the run's progress counts it
         strategy_steps = script.steps_of_the_strategy
 
