@@ -130,6 +130,35 @@ def test_random_shift_is_a_crop_of_the_padded_image():
         assert torch.equal(shifted[i], padded[i, :, oy[i]:oy[i] + 28, ox[i]:ox[i] + 28])
 
 
+def test_windows_are_every_shift_and_both_data_paths_give_the_same_shifted_batches(mnist_dir):
+    """datasets_local.windows against crops of the padded images (all 25 windows of each, a view of one padded copy);
+    then fabric_lenet's two data paths from a step mid-epoch: the in-memory batches (one gather from the windows)
+    equal the DataLoader's (each batch shifted after it is loaded), the same images, labels and shifts, each step's
+    drawn from its seed."""
+    import datasets_local
+    from lightning.fabric import Fabric
+
+    x = torch.randn(3, 1, 28, 28)
+    windows, padded = datasets_local.windows(x, fill=-1.0), torch.nn.functional.pad(x, (2, 2, 2, 2), value=-1.0)
+    assert windows.shape == (3, 5, 5, 28, 28) and windows.untyped_storage().nbytes() == padded.numel() * 4
+    for oy in range(5):
+        for ox in range(5):
+            assert torch.equal(windows[:, oy, ox], padded[:, 0, oy:oy + 28, ox:ox + 28])
+    cfg = Config(accelerator="cpu", train_samples=1100, data_dir=str(mnist_dir))
+    fabric = Fabric(accelerator="cpu", devices=1)
+    train_set, _ = fabric_lenet.load_data(cfg)
+    order = epoch_order(1100, 1, cfg, 0, 1)
+    memory = fabric_lenet.train_batches(fabric, cfg, train_set, order, 1, 3, 512,
+                                        fabric_lenet.memory_windows(train_set, fabric.device))
+    loader = fabric_lenet.train_batches(fabric, dataclasses.replace(cfg, data="loader"), train_set, order, 1, 3, 512,
+                                        None)
+    batches = list(zip(memory, loader, strict=True))
+    assert [n for (n, _), _ in batches] == [512, 76]
+    for (n, (xm, ym)), (k, (xl, yl)) in batches:
+        assert n == k and torch.equal(xm, xl) and torch.equal(ym, yl)
+    assert not torch.equal(batches[0][0][1][0], train_set.tensors()[0][order[512:1024]])  # shifted
+
+
 def test_the_background_is_every_mnist_images_minimum(mnist_dir):
     import datasets_local
 
