@@ -221,8 +221,8 @@ def windows(x: torch.Tensor, fill: float = BACKGROUND, pad: int = 2) -> torch.Te
     """Every translation of the images x (n, 1, h, w) by up to `pad` pixels, as one view (n, 2 pad + 1, 2 pad + 1, h,
     w) of their copy padded with `fill`: [i, oy, ox] is image i through the window at row oy and column ox, [i, pad,
     pad] the image itself. Indexed by (images, rows, columns) it is a batch and its shifts in one gather, each row a
-    contiguous run: in LeNet-5's CPU step, 0.6 ms of 11.7 for a batch of 512 gathered, then shifted by two views of
-    windows (unfold), and nothing beyond the gather this way (docs/lenet.md)."""
+    contiguous run: in LeNet-5's step on a 2-core Xeon with AMX, a batch of 512 gathered then shifted by two views of
+    windows (unfold) took 0.57 ms of 11.63, and this way nothing beyond the gather (docs/lenet.md)."""
     n, _, h, w = x.shape
     padded = torch.nn.functional.pad(x, (pad, pad, pad, pad), value=fill)[:, 0]
     image, row, column = padded.stride()
