@@ -21,16 +21,29 @@ sys.path.insert(0, str(REPO))
 from core.host import warm_python  # noqa: E402 (the repository's, on the path above)
 from core.run.ranks import usable_cores  # noqa: E402
 
-# device_probe.py's measurements of this machine start empty for the suite (and never touch the user's cache); the
-# pytest-xdist workers share the one their controller made, as the processes of one suite run (it is locked)
+
+def measurement_cache(run_folder: str) -> str:
+    """The suite's own cache of this machine's measurements (device_probe.py's, the probes of --precision auto and
+    --gelu-impl auto), never the user's: in the repository's .venv when the suite runs there, so that a second run
+    takes them as a user's second run does (a fresh clone, as CI's, starts it empty and measures everything; the
+    measurements' keys hold the CPU, caps, threads and library versions), else empty for each run."""
+    venv = REPO / ".venv"
+    if Path(sys.prefix).resolve() == venv.resolve() and os.access(venv, os.W_OK):
+        return str(venv / "test-measurements")
+    return os.path.join(run_folder, "measurements")
+
+
+# the pytest-xdist workers share the folders their controller made, as the processes of one suite run (the cache is
+# locked); the run's folder goes when the controller ends, after its workers
 if "PYTEST_XDIST_WORKER" not in os.environ:
-    os.environ["FABRIC_LAB_CACHE"] = tempfile.mkdtemp(prefix="fabric-lab-cache-")
-    atexit.register(shutil.rmtree, os.environ["FABRIC_LAB_CACHE"], ignore_errors=True)  # after the workers have ended
+    RUN_FOLDER = tempfile.mkdtemp(prefix="fabric-lab-suite-")
+    atexit.register(shutil.rmtree, RUN_FOLDER, ignore_errors=True)
+    os.environ["FABRIC_LAB_CACHE"] = measurement_cache(RUN_FOLDER)
     # every extension build of the suite's processes adds a line here (extension_compiler.noted_build)
-    os.environ["FABRIC_LAB_BUILD_LOG"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "builds.jsonl")
+    os.environ["FABRIC_LAB_BUILD_LOG"] = os.path.join(RUN_FOLDER, "builds.jsonl")
     # torchrun (the tests of several nodes, of gpt.sbatch) makes a log folder per launch, /tmp/torchelastic_* by
-    # default, and leaves it: here, with the cache, removed at the end (PET_LOG_DIR is its --log-dir)
-    os.environ["PET_LOG_DIR"] = os.path.join(os.environ["FABRIC_LAB_CACHE"], "torchrun-logs")
+    # default, and leaves it: here, in the run's folder, removed at the end (PET_LOG_DIR is its --log-dir)
+    os.environ["PET_LOG_DIR"] = os.path.join(RUN_FOLDER, "torchrun-logs")
     # the workers fill the cores by design, so every timing has other processes beside it: kept all the same, as the
     # tests of what is cached expect (measurements.quiet_enough; its own tests unset this)
     os.environ["FABRIC_LAB_KEEP_BUSY_MEASUREMENTS"] = "1"
