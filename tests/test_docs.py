@@ -75,6 +75,23 @@ def test_make_test_takes_a_worker_per_core_and_one_more_as_memory_allows(tmp_pat
         assert f" -n {workers} --dist worksteal" in out.stdout.strip().splitlines()[-1], (available_kib, out.stdout)
 
 
+def test_the_suite_keeps_its_measurements_in_its_venv_and_never_reads_the_users(monkeypatch, tmp_path):
+    """A warm `make test` takes the machine's measurements its last run made (.venv/test-measurements), as a user's
+    second run does; never the user's cache, and a run outside the repository's .venv starts empty. The build log,
+    which the suite's last line sums, stays the run's own."""
+    import conftest
+
+    cache = Path(os.environ["FABRIC_LAB_CACHE"]).resolve()
+    assert cache != Path("~/.cache/fabric-lab").expanduser().resolve()
+    assert Path(os.environ["FABRIC_LAB_BUILD_LOG"]).resolve().parent != cache
+    venv = REPO / ".venv"
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    kept = str(venv / "test-measurements") if os.access(venv, os.W_OK) else str(tmp_path / "measurements")
+    assert conftest.measurement_cache(str(tmp_path)) == kept
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    assert conftest.measurement_cache(str(tmp_path)) == str(tmp_path / "measurements")
+
+
 def test_make_setup_builds_beside_pip_not_after_it(tmp_path):
     """pip installs on one core: once torch, ninja and DeepSpeed are in (`.base`), the C++ GELU and DeepSpeed's ops
     build without waiting for the rest of requirements.txt, libaio and clang are unpacked without waiting for torch,
