@@ -166,7 +166,7 @@ def train_batches(fabric: Fabric, cfg: Config, train, order: torch.Tensor, start
         order = order.to(x.device)  # on a GPU the data set is there too: each batch a gather, no host copy
         for step, i in zip(steps, range(start * local_batch, len(order), local_batch)):
             idx = order[i:i + local_batch]
-            at = step_shifts(fabric, cfg, step, len(idx), x.device) if cfg.augment else (centre(x),) * 2
+            at = step_shifts(fabric, cfg, step, len(idx), x.device) if cfg.augment else (whole_step.centre(x),) * 2
             yield len(idx), (x[(idx, *at)].unsqueeze(1), y[idx])
     else:
         sampler = order[start * local_batch:].tolist()
@@ -183,11 +183,6 @@ def step_shifts(fabric: Fabric, cfg: Config, step: int, n: int, device: torch.de
     rank: whole_step.shift_seed): the same draw whichever path feeds the step (memory, DataLoader, whole step)."""
     seed = whole_step.shift_seed(cfg, step, fabric)
     return datasets_local.shift_offsets(n, torch.Generator(device).manual_seed(seed))
-
-
-def centre(windows: torch.Tensor) -> int:
-    """The window of datasets_local.windows that holds each image unshifted."""
-    return (windows.shape[1] - 1) // 2
 
 
 # ----------------------------------------------------------------------------- training

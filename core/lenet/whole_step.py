@@ -42,8 +42,8 @@ class WholeStep:
         self.indices = torch.zeros((epoch_steps, local_batch), dtype=torch.long, device=device)  # loaded per epoch
         self.weights = (torch.arange(local_batch) < torch.tensor(self.step_samples)[:, None]).float().to(device)
         self.counts = torch.tensor(self.step_samples, dtype=torch.float32, device=device)  # the loss's divisors
-        centre = (self.x.shape[1] - 1) // 2  # the window of each image unshifted: the shifts where none are drawn
-        self.offsets = torch.full((epoch_steps, 2, local_batch), centre, dtype=torch.long, device=device)
+        # where no shifts are drawn, each image through the window that holds it unshifted
+        self.offsets = torch.full((epoch_steps, 2, local_batch), centre(self.x), dtype=torch.long, device=device)
         self.lr, self.beta1 = (torch.zeros((), device=device) for _ in range(2))  # float32, as the scheduler's numbers
         self.graph, self.graph_loss, self.steps_run = None, None, 0
         # AdamW's state made here, before any capture (inside one it would live in the graph's pool), or a resumed
@@ -127,6 +127,12 @@ class WholeStep:
         graph_adamw.step(self.optimizer, self.lr, self.beta1)
         at.add_(1)
         return loss.detach()
+
+
+def centre(windows: torch.Tensor) -> int:
+    """The window of datasets_local.windows (n, rows, columns, h, w) that holds each image unshifted: the shift
+    fabric_lenet's eager batches and this step take where none is drawn."""
+    return (windows.shape[1] - 1) // 2
 
 
 def shift_seed(cfg, step: int, fabric) -> int:
