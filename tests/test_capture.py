@@ -141,10 +141,12 @@ def test_torchs_capturable_adamw_reads_a_tensor_beta1_to_the_host():
 # ----------------------------------------------------------------------------- LeNet-5
 def fake_lenet(mode: FakeTensorMode, dtype=torch.float32, **flags):
     """LeNet-5 as fabric_lenet builds it (channels-last, conv1's channels padded), on fake CUDA, with its AdamW and
-    OneCycleLR, a stand-in for Fabric on one device (Fabric's CUDA accelerator needs a GPU), and fake MNIST tensors."""
+    OneCycleLR, a stand-in for Fabric on one device (Fabric's CUDA accelerator needs a GPU), and fake MNIST tensors.
+    Its inputs are cast to the weights' dtype on the way in, as Fabric's module wrapper does under `bf16-true`."""
     cfg = fabric_lenet.Config(accelerator="cuda", **flags)
     model, _ = fabric_lenet.make_model(cfg)
     model = to_fake_cuda(mode, model.to(dtype))
+    model.register_forward_pre_hook(lambda _, args: tuple(a.to(dtype) for a in args))
     optimizer, scheduler = fabric_lenet.make_optimizer(cfg, model, total_steps=100)
     fabric = types.SimpleNamespace(device=torch.device("cuda"), backward=backward_in_python, world_size=1,
                                    global_rank=0)
@@ -160,9 +162,12 @@ def test_lenets_whole_step_reads_nothing_from_the_device(dtype):
     weights: no host read, so a capture can hold it. Fails on the AdamW of torch that the step first used (above).
     bf16-mixed's autocast cannot be entered for CUDA without a GPU; it changes the dtypes of the same ops."""
     mode = FakeTensorMode()
-    cfg, fabric, model, optimizer, scheduler, (x, y) = fake_lenet(mode, dtype)
+    cfg, fabric, model, optimizer, scheduler, (_, y) = fake_lenet(mode, dtype)
     with mode:
-        step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, (datasets_local.windows(x), y), 512, 3)
+        split = types.SimpleNamespace(images=torch.randint(0, 256, (1100, 28, 28), dtype=torch.uint8, device="cuda"),
+                                      labels=y)  # MNIST's pixels, as the in-memory path keeps them
+        windows = fabric_lenet.memory_windows(split, fabric.device)
+        step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, windows, 512, 3)
         step.indices.copy_(torch.randint(0, 1100, step.indices.shape, device="cuda"))  # what epoch() loads
         step.offsets.copy_(torch.randint(0, 5, step.offsets.shape, device="cuda"))
         for _ in range(3):

@@ -132,8 +132,8 @@ def test_random_shift_is_a_crop_of_the_padded_image():
 
 def test_windows_are_every_shift_and_both_data_paths_give_the_same_shifted_batches(mnist_dir):
     """datasets_local.windows against crops of the padded images (all 25 windows of each, a view of one padded copy);
-    then fabric_lenet's two data paths from a step mid-epoch: the in-memory batches (one gather from the windows)
-    equal the DataLoader's (each batch shifted after it is loaded), the same images, labels and shifts, each step's
+    then fabric_lenet's two data paths from a step mid-epoch: the in-memory batches (one gather from the windows of
+    the uint8 pixels, normalized as gathered) equal the DataLoader's (each batch shifted after it is loaded), the same images, labels and shifts, each step's
     drawn from its seed."""
     import datasets_local
     from lightning.fabric import Fabric
@@ -148,8 +148,9 @@ def test_windows_are_every_shift_and_both_data_paths_give_the_same_shifted_batch
     fabric = Fabric(accelerator="cpu", devices=1)
     train_set, _ = fabric_lenet.load_data(cfg)
     order = epoch_order(1100, 1, cfg, 0, 1)
-    memory = fabric_lenet.train_batches(fabric, cfg, train_set, order, 1, 3, 512,
-                                        fabric_lenet.memory_windows(train_set, fabric.device))
+    pixels, _ = in_memory = fabric_lenet.memory_windows(train_set, fabric.device)  # raw pixels, normalized per batch
+    assert pixels.dtype == torch.uint8 and pixels.untyped_storage().nbytes() == 1100 * 32 * 32
+    memory = fabric_lenet.train_batches(fabric, cfg, train_set, order, 1, 3, 512, in_memory)
     loader = fabric_lenet.train_batches(fabric, dataclasses.replace(cfg, data="loader"), train_set, order, 1, 3, 512,
                                         None)
     batches = list(zip(memory, loader, strict=True))

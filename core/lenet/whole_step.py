@@ -5,7 +5,8 @@ kernel launches. The eager step (fabric_lenet.train_step) is its reference and i
 - the same samples: the epoch's order (fabric_lenet.epoch_order) as a table of full batches, the short last batch
   padded with samples of weight zero (one graph for every step; the loss is the mean over the real samples);
 - the same shifts: drawn for the whole epoch ahead, per step from the seeds the eager step's batches use, and
-  gathered with the batch from the split's windows (datasets_local.windows), as the eager in-memory path does;
+  gathered with the batch from the split's windows (datasets_local.windows of its uint8 pixels, normalized as
+  gathered), as the eager in-memory path does;
 - the same schedule: torch's scheduler steps on the host as before, and its learning rate and AdamW's beta1 (which
   OneCycleLR cycles) are written into two device scalars that the captured AdamW reads (graph_adamw.py: torch's
   capturable AdamW reads a tensor beta1 to the host, which a capture refuses).
@@ -17,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import datasets_local
 from core.lenet import graph_adamw
 
 CAPTURED = "the whole step captured as one CUDA graph and replayed"
@@ -25,7 +27,8 @@ WARM_UP = 3  # eager steps before the capture (PyTorch's whole-network example):
 
 class WholeStep:
     """Call it once per optimizer step; `epoch()` first loads an epoch's tables. Returns the step's loss (a device
-    tensor of its own, not yet read). `train_windows`: the split as (datasets_local.windows of its images, its labels);
+    tensor of its own, not yet read). `train_windows`: the split as fabric_lenet.memory_windows (its pixels' windows,
+    its labels);
     `draw(step, n)`: a step's shifts of its n images, (rows, columns) on the device; None: no shifts (every image
     through its centre window)."""
 
@@ -117,7 +120,7 @@ class WholeStep:
         cfg, at = self.cfg, self.at
         idx = self.indices.index_select(0, at).view(-1)
         oy, ox = self.offsets.index_select(0, at).view(2, -1)
-        xb, yb = self.x[idx, oy, ox].unsqueeze(1), self.y.index_select(0, idx)  # the batch and its shifts: one gather
+        xb, yb = datasets_local.normalize(self.x[idx, oy, ox]), self.y.index_select(0, idx)  # one gather
         if cfg.channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
         per_sample = F.cross_entropy(self.model(xb), yb, label_smoothing=cfg.label_smoothing, reduction="none")
