@@ -52,13 +52,22 @@ def _fix_hint(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- IDX parsing
-def read_bytes(path: Path) -> bytes:
+def read_file(path: Path) -> bytearray:
+    """The file's bytes, read into a bytearray that a parsed tensor can then share: a split's 47 MB are read once and
+    never copied."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        del data[f.readinto(data):]  # a file cut short meanwhile: what was there, which the checks then refuse
+    return data
+
+
+def read_bytes(path: Path) -> bytearray | bytes:
     """The file's payload, gunzipped when it starts with the gzip magic bytes."""
     path = Path(path)
     if not path.is_file():
         raise MNISTError(f"{path}: file not found. Download it with download=True "
                          f"(python datasets_local.py --root {path.parent}).")
-    data = path.read_bytes()
+    data = read_file(path)
     if data[:2] == b"\x1f\x8b":
         try:
             data = gzip.decompress(data)
@@ -101,13 +110,14 @@ def _mirrors(mirror: str | None) -> tuple[str, ...]:
     return (mirror,) if mirror else UPSTREAM_MIRRORS
 
 
-def local_copy(root: Path, name: str) -> tuple[bool, str | None]:
-    """(a good copy is in root, what is wrong with the one that is there): the raw file or its .gz beside it."""
+def local_copy(root: Path, name: str) -> tuple[bytearray | bytes | None, str | None]:
+    """(the payload of a good copy in root, else None; what is wrong with the one that is there): the raw file or its
+    .gz beside it."""
     problems = []
     for path in (root / name, root / (name + ".gz")):
         if not path.is_file():
             continue
-        data = path.read_bytes()
+        data = read_file(path)
         try:
             payload = gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
         except (OSError, EOFError, zlib.error) as e:
@@ -115,22 +125,23 @@ def local_copy(root: Path, name: str) -> tuple[bool, str | None]:
             continue
         digest = hashlib.sha256(payload).hexdigest()
         if digest == SHA256[name]:
-            return True, None
+            return payload, None
         size = (f"{len(payload):,} bytes where MNIST's has {SIZES[name]:,}" if len(payload) != SIZES[name]
                 else f"the right size but sha256 {digest[:12]}..., expected {SHA256[name][:12]}...")
         problems.append(f"{path} is damaged: {'decompressed, ' if payload is not data else ''}{size}")
-    return False, "; ".join(problems) or None
+    return None, "; ".join(problems) or None
 
 
-def download(root, mirror: str | None = None, quiet: bool = False, names=tuple(SHA256)) -> None:
+def download(root, mirror: str | None = None, quiet: bool = False, names=tuple(SHA256)) -> dict:
     """Fetch MNIST's files (`names`: all four) into `root` (decompressed, SHA-256 checked); skip those already
-    valid, raw or as the .gz a mirror folder holds."""
+    valid, raw or as the .gz a mirror folder holds. Returns each file's checked payload, {name: bytes}."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    payloads = {}
     for name in names:
         path = root / name
-        good, problem = local_copy(root, name)
-        if good:
+        payloads[name], problem = local_copy(root, name)
+        if payloads[name] is not None:
             continue
         errors = []
         for source in _mirrors(mirror):
@@ -149,6 +160,7 @@ def download(root, mirror: str | None = None, quiet: bool = False, names=tuple(S
                                  f"--data-dir on a disk with more room")
             if not quiet:
                 print(f"downloaded {name} from {source}", file=sys.stderr)
+            payloads[name] = payload
             break
         else:
             found = f"{problem} (kept untouched); " if problem else ""
@@ -157,6 +169,7 @@ def download(root, mirror: str | None = None, quiet: bool = False, names=tuple(S
                 f"{found}a fresh copy of {name}.gz could not be fetched into {root}: " + "; ".join(errors) +
                 f". Fix: {remove}connect to the internet, or set MNIST_MIRROR (or --mirror) to a folder or URL "
                 "holding the four MNIST .gz files, e.g. MNIST_MIRROR=../shared/data/mnist.")
+    return payloads
 
 
 # ----------------------------------------------------------------------------- tensors and Dataset
@@ -172,14 +185,18 @@ def load_split(root, split: str = "train", download_missing: bool = False, mirro
         raise MNISTError(f"unknown split {split!r}; choose one of {sorted(SPLITS)}")
     root = Path(root)
     image_name, label_name = SPLITS[split]
-    if download_missing:  # this split's two files: a run that loads both splits checks each file once
-        download(root, mirror, names=SPLITS[split])
-    elif not (_find(root, image_name).exists() and _find(root, label_name).exists()):
+    # with download, this split's two files (a run that loads both splits checks each file once), each parsed from
+    # the bytes its SHA-256 was checked on: read once
+    checked = download(root, mirror, names=SPLITS[split]) if download_missing else None
+    if not checked and not (_find(root, image_name).exists() and _find(root, label_name).exists()):
         raise MNISTError(f"MNIST {split} split not found in {root}. Fix: pass download=True "
                          f"(or run `python datasets_local.py --root {root}`), with MNIST_MIRROR set when offline.")
     image_path, label_path = _find(root, image_name), _find(root, label_name)
-    images = read_idx(image_path, expect_ndim=3)
-    labels = read_idx(label_path, expect_ndim=1)
+    if checked:
+        images = parse_idx(checked[image_name], str(image_path), expect_ndim=3)
+        labels = parse_idx(checked[label_name], str(label_path), expect_ndim=1)
+    else:
+        images, labels = read_idx(image_path, expect_ndim=3), read_idx(label_path, expect_ndim=1)
     if images.shape[0] != labels.shape[0]:
         raise MNISTError(f"{image_path} holds {images.shape[0]} images but {label_path} holds "
                          f"{labels.shape[0]} labels; one of them is from another set. {_fix_hint(root)}")
@@ -187,7 +204,8 @@ def load_split(root, split: str = "train", download_missing: bool = False, mirro
         raise MNISTError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, MNIST's are 28x28.")
     if labels.size and labels.max() > 9:
         raise MNISTError(f"{label_path}: label {labels.max()} is outside 0..9. {_fix_hint(label_path)}")
-    return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
+    # the images share the bytearray they were read into; a gunzipped payload is immutable bytes, copied
+    return torch.from_numpy(images if images.flags.writeable else images.copy()), torch.from_numpy(labels.astype(np.int64))
 
 
 def normalize(images_uint8: torch.Tensor) -> torch.Tensor:

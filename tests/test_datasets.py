@@ -2,6 +2,7 @@
 
 import gzip
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,15 +148,18 @@ def test_download_from_mirror_verifies_and_skips(mnist_dir, monkeypatch):
 
 
 def test_a_split_loaded_with_download_checks_its_own_two_files_only(tmp_path, mnist_dir, monkeypatch):
-    """Each file is checked (SHA-256) when its split is loaded, so a run that loads both checks each once; a split
-    whose files are here loads offline even where the other split's are missing, and that one names its file."""
+    """Each file is checked (SHA-256) when its split is loaded, so a run that loads both checks each once, and parsed
+    from the bytes checked: each file read once; a split whose files are here loads offline even where the other
+    split's are missing, and that one names its file."""
     for name in dl.SPLITS["train"]:
         (tmp_path / name).symlink_to(mnist_dir / name)
-    checked, local_copy = [], dl.local_copy
+    checked, local_copy, read, read_file = [], dl.local_copy, [], dl.read_file
     monkeypatch.setattr(dl, "local_copy", lambda root, name: checked.append(name) or local_copy(root, name))
+    monkeypatch.setattr(dl, "read_file", lambda path: read.append(Path(path).name) or read_file(path))
     offline = str(tmp_path / "no-mirror-here")
-    assert len(dl.MNIST(tmp_path, train=True, download=True, mirror=offline)) == 60_000
-    assert sorted(checked) == sorted(dl.SPLITS["train"])
+    train = dl.MNIST(tmp_path, train=True, download=True, mirror=offline)
+    assert sorted(checked) == sorted(read) == sorted(dl.SPLITS["train"])
+    assert len(train) == 60_000 and torch.equal(train.images, dl.load_split(mnist_dir, "train")[0])
     with pytest.raises(MNISTError, match="t10k-images-idx3-ubyte.gz could not be fetched"):
         dl.MNIST(tmp_path, train=False, download=True, mirror=offline)
 
