@@ -207,7 +207,7 @@ def train(run: Run, model, optimizer, scheduler, data) -> dict:
     timer, losses = StepTimer(fabric.device), LossWatch(fabric, cfg.precision)
     draw = cfg.augment and (lambda step, n: step_shifts(fabric, cfg, step, n, fabric.device))
     whole = cfg.cuda_graph and whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, train_windows,
-                                                    local_batch, epoch_steps, draw)
+                                                    local_batch, epoch_steps, draw, datasets_local.normalize)
     shapes = collections.Counter()  # a new batch shape (an epoch's last batch) is compiled and captured anew
     result = {}
     while progress.epoch < cfg.epochs and not reached_max_steps(progress, cfg):

@@ -167,7 +167,7 @@ def test_lenets_whole_step_reads_nothing_from_the_device(dtype):
         split = types.SimpleNamespace(images=torch.randint(0, 256, (1100, 28, 28), dtype=torch.uint8, device="cuda"),
                                       labels=y)  # MNIST's pixels, as the in-memory path keeps them
         windows = fabric_lenet.memory_windows(split, fabric.device)
-        step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, windows, 512, 3)
+        step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, windows, 512, 3, None, datasets_local.normalize)
         step.indices.copy_(torch.randint(0, 1100, step.indices.shape, device="cuda"))  # what epoch() loads
         step.offsets.copy_(torch.randint(0, 5, step.offsets.shape, device="cuda"))
         for _ in range(3):

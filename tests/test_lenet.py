@@ -575,6 +575,7 @@ def lenet_steps(mnist_dir, whole: bool, n: int = 1100, epochs: int = 2) -> tuple
     epoch), augmented, through the eager step or the whole step: each step's loss and the weights after."""
     from lightning.fabric import Fabric
 
+    import datasets_local
     from core.lenet import whole_step
 
     cfg = Config(accelerator="cpu", precision="32-true", train_samples=n, epochs=epochs, data_dir=str(mnist_dir))
@@ -587,7 +588,8 @@ def lenet_steps(mnist_dir, whole: bool, n: int = 1100, epochs: int = 2) -> tuple
     model, optimizer = fabric.setup(model, optimizer)
     windows = fabric_lenet.memory_windows(train_set, fabric.device)
     draw = lambda step, n: fabric_lenet.step_shifts(fabric, cfg, step, n, fabric.device)  # noqa: E731
-    step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, windows, 512, epoch_steps, draw) if whole else None
+    step = whole_step.WholeStep(fabric, cfg, model, optimizer, scheduler, windows, 512, epoch_steps, draw,
+                                datasets_local.normalize) if whole else None
     losses, global_step = [], 0
     for epoch in range(epochs):
         order = epoch_order(n, epoch, cfg, 0, 1)

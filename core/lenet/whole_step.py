@@ -5,8 +5,8 @@ kernel launches. The eager step (fabric_lenet.train_step) is its reference and i
 - the same samples: the epoch's order (fabric_lenet.epoch_order) as a table of full batches, the short last batch
   padded with samples of weight zero (one graph for every step; the loss is the mean over the real samples);
 - the same shifts: drawn for the whole epoch ahead, per step from the seeds the eager step's batches use, and
-  gathered with the batch from the split's windows (datasets_local.windows of its uint8 pixels, normalized as
-  gathered), as the eager in-memory path does;
+  gathered with the batch from the split's windows (datasets_local.windows), then prepared as the eager in-memory
+  path prepares them (fabric_lenet: the uint8 pixels normalized);
 - the same schedule: torch's scheduler steps on the host as before, and its learning rate and AdamW's beta1 (which
   OneCycleLR cycles) are written into two device scalars that the captured AdamW reads (graph_adamw.py: torch's
   capturable AdamW reads a tensor beta1 to the host, which a capture refuses).
@@ -18,7 +18,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-import datasets_local
 from core.lenet import graph_adamw
 
 CAPTURED = "the whole step captured as one CUDA graph and replayed"
@@ -30,12 +29,13 @@ class WholeStep:
     tensor of its own, not yet read). `train_windows`: the split as fabric_lenet.memory_windows (its pixels' windows,
     its labels);
     `draw(step, n)`: a step's shifts of its n images, (rows, columns) on the device; None: no shifts (every image
-    through its centre window)."""
+    through its centre window). `prepare(images)`: the gathered windows as the model takes them (fabric_lenet's
+    datasets_local.normalize of the pixels, which adds the channel); None: as gathered, with a channel added."""
 
     def __init__(self, fabric, cfg, model, optimizer, scheduler, train_windows, local_batch: int, epoch_steps: int,
-                 draw=None):
+                 draw=None, prepare=None):
         self.fabric, self.cfg, self.model, self.optimizer, self.scheduler = fabric, cfg, model, optimizer, scheduler
-        self.draw = draw
+        self.draw, self.prepare = draw, prepare or (lambda images: images.unsqueeze(1))
         self.x, self.y = train_windows
         device = fabric.device
         self.captures = device.type == "cuda"
@@ -120,7 +120,7 @@ class WholeStep:
         cfg, at = self.cfg, self.at
         idx = self.indices.index_select(0, at).view(-1)
         oy, ox = self.offsets.index_select(0, at).view(2, -1)
-        xb, yb = datasets_local.normalize(self.x[idx, oy, ox]), self.y.index_select(0, idx)  # one gather
+        xb, yb = self.prepare(self.x[idx, oy, ox]), self.y.index_select(0, idx)  # the batch and its shifts: one gather
         if cfg.channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
         per_sample = F.cross_entropy(self.model(xb), yb, label_smoothing=cfg.label_smoothing, reduction="none")
