@@ -30,12 +30,12 @@ class WholeStep:
     its labels);
     `draw(step, n)`: a step's shifts of its n images, (rows, columns) on the device; None: no shifts (every image
     through its centre window). `prepare(images)`: the gathered windows as the model takes them (fabric_lenet's
-    datasets_local.normalize of the pixels, which adds the channel); None: as gathered, with a channel added."""
+    datasets_local.normalize of the pixels, which adds the channel)."""
 
     def __init__(self, fabric, cfg, model, optimizer, scheduler, train_windows, local_batch: int, epoch_steps: int,
-                 draw=None, prepare=None):
+                 draw, prepare):
         self.fabric, self.cfg, self.model, self.optimizer, self.scheduler = fabric, cfg, model, optimizer, scheduler
-        self.draw, self.prepare = draw, prepare or (lambda images: images.unsqueeze(1))
+        self.draw, self.prepare = draw, prepare
         self.x, self.y = train_windows
         device = fabric.device
         self.captures = device.type == "cuda"
