@@ -34,7 +34,8 @@ NVME_SWAPPED = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--num-s
                 "--checkpoint-every", "2", "--keep-last", "1",
                 "--precision", "32-true"]  # 4 steps; DeepSpeed swaps tensors of 1 MiB and more
 LENET = ["--devices", "2", "--strategy", "ddp", "--accelerator", "cpu", "--train-samples", "2048", "--batch-size", "512",
-         "--epochs", "3", "--checkpoint-every", "2", "--log-every", "2", "--precision", "32-true"]  # 4 steps an epoch
+         "--epochs", "3", "--checkpoint-every", "2", "--log-every", "2", "--precision", "32-true",  # 4 steps an epoch
+         "--test-samples", "1000"]
 
 
 def moment_after(name: str, kind: str, last: int, i: int) -> str:

@@ -113,7 +113,8 @@ def test_epoch_order_matches_distributed_sampler():
 @pytest.mark.slow
 def test_two_processes_finish_when_the_samples_do_not_split_evenly(mnist_dir, tmp_path):
     """513 samples on 2 ranks of 256 a step: unpadded, rank 0 had a second step that rank 1 never joined (a hang)."""
-    run_script("fabric_lenet.py", *QUICK, "--train-samples", "513", "--batch-size", "512", "--epochs", "1",
+    run_script("fabric_lenet.py", *QUICK, "--train-samples", "513", "--test-samples", "1000", "--batch-size", "512",
+               "--epochs", "1",
                "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir, "--out-dir", tmp_path,
                "--run-name", "uneven", timeout=180)
     summary = read_summary(tmp_path / "uneven")
@@ -188,7 +189,8 @@ def test_one_epoch_on_real_mnist_reaches_97_percent(mnist_dir, tmp_path):
 
 
 def test_dataloader_path_trains_exactly_like_the_in_memory_path(mnist_dir, tmp_path):
-    common = [*QUICK, "--epochs", "1", "--max-steps", "30", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    common = [*QUICK, "--epochs", "1", "--max-steps", "30", "--test-samples", "1000", "--data-dir", mnist_dir,
+              "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *common, "--data", "memory", "--run-name", "mem")
     run_in_process("fabric_lenet.py", *common, "--data", "loader", "--num-workers", "1", "--run-name", "loader")
     mem, loader = read_summary(tmp_path / "mem"), read_summary(tmp_path / "loader")
@@ -374,7 +376,7 @@ def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatc
 
 def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp_path):
     common = ["--epochs", "1", "--max-steps", "2", "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir,
-              "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache"]
+              "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache", "--test-samples", "1000"]
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "auto")
     probe = read_summary(tmp_path / "auto")["precision_probe"]
     timed = {"32-true", "bf16-mixed"} if hardware.native_bf16() else {"32-true"}  # without bf16 instructions: float32
@@ -409,7 +411,8 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
 
 
 def test_a_run_name_that_exists_is_refused_before_any_work(mnist_dir, tmp_path):
-    common = [*QUICK, "--epochs", "1", "--max-steps", "2", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    common = [*QUICK, "--epochs", "1", "--max-steps", "2", "--test-samples", "1000", "--data-dir", mnist_dir,
+              "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *common, "--run-name", "taken")
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "taken").rglob("*")}
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "taken", check=False)
@@ -537,7 +540,8 @@ def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, tmp_path_fact
     (its cache is the session's), under the load of the other workers, and an answer that changes changes the graph,
     which inductor's cache of compiled graphs then misses (a warm run: 33 s, against 6 s where it hit)."""
     common = ["--epochs", "2", "--train-samples", "2200", "--precision", "32-true", "--pad-channels", "8",
-              "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--log-every", "5"]
+              "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--log-every", "5",
+              "--test-samples", "1000"]
     eager_runs = shared_dir(tmp_path_factory, "lenet-eager-2200", lambda out: run_in_process(
         "fabric_lenet.py", *common, "--out-dir", out, "--run-name", "eager"))
     proc = run_in_process("fabric_lenet.py", *common, "--out-dir", tmp_path, "--compile", "--compile-mode", mode,
@@ -621,8 +625,8 @@ def test_a_whole_step_run_stopped_mid_epoch_resumes_to_the_uninterrupted_loss(mn
     """The epoch's tables are loaded from the step a resumed run starts at (its shifts from that step's seeds, its
     position on the device): stopped after 4 steps, in its second epoch, and resumed, it ends at the uninterrupted
     run's test loss; the record says the step was not captured, and why."""
-    common = ["--cuda-graph", "--epochs", "2", "--train-samples", "1100", "--precision", "32-true", "--no-tb-images",
-              "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    common = ["--cuda-graph", "--epochs", "2", "--train-samples", "1100", "--test-samples", "1000", "--precision",
+              "32-true", "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *common, "--run-name", "whole")
     run_in_process("fabric_lenet.py", *common, "--run-name", "cut", "--max-steps", "4")
     run_in_process("fabric_lenet.py", *common, "--run-name", "cut", "--resume", "auto")

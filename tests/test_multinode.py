@@ -17,7 +17,7 @@ from core.host import warm_python
 from core.run import ranks
 
 LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
-         "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp"]
+         "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp", "--test-samples", "1000"]
 
 
 @pytest.mark.slow

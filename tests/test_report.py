@@ -27,7 +27,8 @@ def bench_lenet_in_process(runs, mnist_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "run", run)
         bench.main(["--out-dir", str(runs), "lenet", "--steps", "3", "--seeds", "2", "--race-epochs", "1", "--",
-                    "--max-steps", "3", "--train-samples", "1024", "--data-dir", str(mnist_dir)])
+                    "--max-steps", "3", "--train-samples", "1024", "--test-samples", "1000",
+                    "--data-dir", str(mnist_dir)])
 
 
 @pytest.fixture(scope="module")
