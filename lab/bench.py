@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 from core.host import warm_python
-from core.run.checkpoints import read_record
-from core.run.files import write_json_atomic
+from core.run.files import read_record, write_json_atomic
 from core.run.hardware import NO_BF16, compile_cache_per_caps, cpu_name, cpu_units, isa_caps, native_bf16
 from core.run.layout import layout
 from core.run.ranks import cores_per_rank, usable_cores

@@ -30,8 +30,7 @@ from typing import Callable
 
 from core.lenet import whole_step
 from core.plan import gpt_figures
-from core.run.checkpoints import RECORD
-from core.run.files import write_json_atomic
+from core.run.files import RECORD, write_json_atomic
 from lab.stages import GPU_CHECK, cuda_devices, last_line, run_logged
 
 

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from core.run.checkpoints import RECORD  # noqa: E402
+from core.run.files import RECORD  # noqa: E402
 
 
 def load_json(path: Path):

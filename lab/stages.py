@@ -19,8 +19,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from core.run.checkpoints import RECORD, Checkpoints
-from core.run.files import write_json_atomic
+from core.run.checkpoints import Checkpoints
+from core.run.files import RECORD, write_json_atomic
 from core.run.hardware import cuda_mismatch
 from core.run.ranks import usable_cores
 

@@ -24,7 +24,6 @@ from core.run.ranks import any_rank
 
 NOTHING_KEPT = "no checkpoint of this run was complete yet: free space (or choose another --out-dir) and start it again"
 
-RECORD = "record.json"
 STEP_DIR = re.compile(r"step-(\d{8})$")
 MARGIN = 256 * 2**10  # bytes kept free beyond a planned checkpoint: a file system's pages and directory entries
 
@@ -43,14 +42,6 @@ class ResumeError(RuntimeError):
     def agreed(self) -> "ResumeError":
         self.every_rank = True
         return self
-
-
-def read_record(run_dir) -> dict | None:
-    """A run's record.json, or None when the run has not finished (or the file is unreadable)."""
-    try:
-        return json.loads((Path(run_dir) / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # ----------------------------------------------------------------------------- checkpoints

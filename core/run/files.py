@@ -1,7 +1,8 @@
 """Files read and written whole: every write goes through a temporary name, fsync and rename (`write_atomic`: the
 one writer of the repository's JSON records, downloads, prepared data and checkpoint folders), so a reader sees the
-old file or the new one, never half of one; `fetch`, the bytes of a file from a URL or a local folder (a mirror); and
-a full disk told from any other failure, whichever library met it (`disk_full`).
+old file or the new one, never half of one; `read_record`, a finished run's record.json (without torch: the lab's
+report and benchmarks read records); `fetch`, the bytes of a file from a URL or a local folder (a mirror); and a full
+disk told from any other failure, whichever library met it (`disk_full`).
 """
 
 import errno
@@ -15,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 PARTIAL = ".partial"  # the suffix of what is still being written: a temporary file, a checkpoint folder
+RECORD = "record.json"  # a finished run's record, in its folder
 # What libraries say when a write found no room: an OSError's errno, or the text of the error they made of it
 # (shutil.copytree's list of errors, torch's zip writer "file write failed", numpy's short write, DCP's errors)
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -128,3 +130,11 @@ def why_full(e: BaseException | None) -> str:
         return os_error.strerror
     text = str(e)
     return next((s for s in FULL_TEXT if s in text), f"{type(e).__name__}: {text[:80]}")
+
+
+def read_record(run_dir) -> dict | None:
+    """A run's record.json, or None when the run has not finished (or the file is unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from core.run import flags, folder_lock, full_disk, outputs
-from core.run.checkpoints import (RECORD, STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files,
-                                  not_a_checkpoint, read_record, write_in_place)
-from core.run.files import DiskFull, disk_full, free_bytes, why_full, write_json_atomic
+from core.run.checkpoints import (STEP_DIR, Checkpoints, ResumeError, checkpoint_folder, damaged_files, not_a_checkpoint,
+                                  write_in_place)
+from core.run.files import RECORD, DiskFull, disk_full, free_bytes, read_record, why_full, write_json_atomic
 from core.run.flags import ConfigError
 from core.run.hardware import cpu_name
 from core.run.ranks import (AGREED_END, LOST_PEER, PeerWatch, any_rank, first_process, global_rank, launcher, watch_peers,
