@@ -23,7 +23,6 @@ from pathlib import Path
 
 from core.host import warm_python
 from core.run.files import read_record, write_json_atomic
-from core.run.hardware import NO_BF16, compile_cache_per_caps, cpu_name, cpu_units, isa_caps, native_bf16
 from core.run.layout import layout
 from core.run.ranks import cores_per_rank, usable_cores
 
@@ -168,6 +167,8 @@ def race_plain_loop(folder: Path, epochs: int) -> dict:
     instructions float32 alone: emulated bf16 cannot be the faster (under the AVX2 caps the plain loop's bf16 ran at
     a fifth to a third of its float32's speed, under the AVX-512-without-bf16 cap at about half: docs/lenet.md), and
     was the race's longest run there."""
+    from core.run.hardware import native_bf16
+
     result = {}
     for precision in ("32-true", "bf16-mixed") if native_bf16() else ("32-true",):
         record = folder / f"{precision}.json"
@@ -229,6 +230,8 @@ def over_seeds(runs: list) -> dict:
 
 def cpu_label() -> str:
     """The CPU a figure comes from, with the units that decide LeNet-5's speed."""
+    from core.run.hardware import cpu_name, cpu_units, isa_caps
+
     caps = [f"{v}={value}" for v, value in isa_caps().items()]
     return (f"{cpu_name()}, {usable_cores()} cores ({', '.join(cpu_units()) or 'no AVX2'})"
             + (f" under {' '.join(caps)} (an instruction set imitated, not that CPU)" if caps else ""))
@@ -407,6 +410,7 @@ def bench_text(args) -> None:
     the table gives the median tokens/s of each, and each one's validation loss on the same 200 x 12 fixed validation
     windows."""
     from core.gpt import text_corpus
+    from core.run.hardware import NO_BF16, compile_cache_per_caps, native_bf16
 
     out = Path(args.out_dir) / "bench-text"
     text_corpus.prepare("", "char", 0, args.data_dir)  # once, before the cases
