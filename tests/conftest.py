@@ -326,6 +326,12 @@ def host_reads(monkeypatch, script_module, *args) -> dict:
     return dict(counts)
 
 
+# ----------------------------------------------------------------------------- LeNet-5 runs in several test files
+# For runs whose test is not accuracy (resumption, faults, reports, compiled and whole steps), both sides of each
+# comparison alike: evaluating all 10,000 test images took 46 s of the suite's worker time (docs/tests.md)
+FEW_TEST_IMAGES = ["--test-samples", "1000"]
+
+
 # ----------------------------------------------------------------------------- GPT runs shared by several test files
 # float32 named: --precision auto may choose bf16 on a CPU with bf16 instructions, and the equalities below are float32's
 SMALL = ["--model", "tiny", "--dataset", "ramp", "--lr", "1e-2", "--num-samples", "48", "--accelerator", "cpu",

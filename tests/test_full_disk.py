@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXACT, REPO, TWO_PROCESS, losses, read_summary, run_script, sized_disk
+from conftest import (EXACT, FEW_TEST_IMAGES, REPO, TWO_PROCESS, losses, read_summary, run_script,
+                      sized_disk)
 from core.host import warm_python
 
 SEED = int(os.environ.get("FULL_DISK_SEED", "74"))
@@ -34,8 +35,8 @@ NVME_SWAPPED = ["--model", "tiny", "--n-embd", "128", "--n-layer", "4", "--num-s
                 "--checkpoint-every", "2", "--keep-last", "1",
                 "--precision", "32-true"]  # 4 steps; DeepSpeed swaps tensors of 1 MiB and more
 LENET = ["--devices", "2", "--strategy", "ddp", "--accelerator", "cpu", "--train-samples", "2048", "--batch-size", "512",
-         "--epochs", "3", "--checkpoint-every", "2", "--log-every", "2", "--precision", "32-true",  # 4 steps an epoch
-         "--test-samples", "1000"]
+         "--epochs", "3", "--checkpoint-every", "2", "--log-every", "2", "--precision", "32-true",
+         *FEW_TEST_IMAGES]  # 4 steps an epoch
 
 
 def moment_after(name: str, kind: str, last: int, i: int) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fabric_lenet
-from conftest import REPO, read_summary, run_in_process, run_script, shared_dir
+from conftest import FEW_TEST_IMAGES, REPO, read_summary, run_in_process, run_script, shared_dir
 from core.lenet import cpu_speed
 from core.lenet import figures as lenet_figures
 from core.host import warm_python
@@ -113,9 +113,8 @@ def test_epoch_order_matches_distributed_sampler():
 @pytest.mark.slow
 def test_two_processes_finish_when_the_samples_do_not_split_evenly(mnist_dir, tmp_path):
     """513 samples on 2 ranks of 256 a step: unpadded, rank 0 had a second step that rank 1 never joined (a hang)."""
-    run_script("fabric_lenet.py", *QUICK, "--train-samples", "513", "--test-samples", "1000", "--batch-size", "512",
-               "--epochs", "1",
-               "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir, "--out-dir", tmp_path,
+    run_script("fabric_lenet.py", *QUICK, "--train-samples", "513", *FEW_TEST_IMAGES, "--batch-size", "512",
+               "--epochs", "1", "--devices", "2", "--strategy", "ddp", "--data-dir", mnist_dir, "--out-dir", tmp_path,
                "--run-name", "uneven", timeout=180)
     summary = read_summary(tmp_path / "uneven")
     assert (summary["world_size"], summary["steps"], summary["epochs"]) == (2, 2, 1)
@@ -134,8 +133,8 @@ def test_random_shift_is_a_crop_of_the_padded_image():
 def test_windows_are_every_shift_and_both_data_paths_give_the_same_shifted_batches(mnist_dir):
     """datasets_local.windows against crops of the padded images (all 25 windows of each, a view of one padded copy);
     then fabric_lenet's two data paths from a step mid-epoch: the in-memory batches (one gather from the windows of
-    the uint8 pixels, normalized as gathered) equal the DataLoader's (each batch shifted after it is loaded), the same images, labels and shifts, each step's
-    drawn from its seed."""
+    the uint8 pixels, normalized as gathered) equal the DataLoader's (each batch shifted after it is loaded), the
+    same images, labels and shifts, each step's drawn from its seed."""
     import datasets_local
     from lightning.fabric import Fabric
 
@@ -189,7 +188,7 @@ def test_one_epoch_on_real_mnist_reaches_97_percent(mnist_dir, tmp_path):
 
 
 def test_dataloader_path_trains_exactly_like_the_in_memory_path(mnist_dir, tmp_path):
-    common = [*QUICK, "--epochs", "1", "--max-steps", "30", "--test-samples", "1000", "--data-dir", mnist_dir,
+    common = [*QUICK, "--epochs", "1", "--max-steps", "30", *FEW_TEST_IMAGES, "--data-dir", mnist_dir,
               "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *common, "--data", "memory", "--run-name", "mem")
     run_in_process("fabric_lenet.py", *common, "--data", "loader", "--num-workers", "1", "--run-name", "loader")
@@ -376,7 +375,7 @@ def test_auto_precision_key_follows_the_settings_that_change_the_step(monkeypatc
 
 def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp_path):
     common = ["--epochs", "1", "--max-steps", "2", "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir,
-              "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache", "--test-samples", "1000"]
+              "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache", *FEW_TEST_IMAGES]
     proc = run_in_process("fabric_lenet.py", *common, "--run-name", "auto")
     probe = read_summary(tmp_path / "auto")["precision_probe"]
     timed = {"32-true", "bf16-mixed"} if hardware.native_bf16() else {"32-true"}  # without bf16 instructions: float32
@@ -411,7 +410,7 @@ def test_auto_precision_is_measured_recorded_and_forced_flags_win(mnist_dir, tmp
 
 
 def test_a_run_name_that_exists_is_refused_before_any_work(mnist_dir, tmp_path):
-    common = [*QUICK, "--epochs", "1", "--max-steps", "2", "--test-samples", "1000", "--data-dir", mnist_dir,
+    common = [*QUICK, "--epochs", "1", "--max-steps", "2", *FEW_TEST_IMAGES, "--data-dir", mnist_dir,
               "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *common, "--run-name", "taken")
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "taken").rglob("*")}
@@ -540,8 +539,7 @@ def test_compiled_steps_give_the_eager_losses(mnist_dir, tmp_path, tmp_path_fact
     (its cache is the session's), under the load of the other workers, and an answer that changes changes the graph,
     which inductor's cache of compiled graphs then misses (a warm run: 33 s, against 6 s where it hit)."""
     common = ["--epochs", "2", "--train-samples", "2200", "--precision", "32-true", "--pad-channels", "8",
-              "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--log-every", "5",
-              "--test-samples", "1000"]
+              "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--log-every", "5", *FEW_TEST_IMAGES]
     eager_runs = shared_dir(tmp_path_factory, "lenet-eager-2200", lambda out: run_in_process(
         "fabric_lenet.py", *common, "--out-dir", out, "--run-name", "eager"))
     proc = run_in_process("fabric_lenet.py", *common, "--out-dir", tmp_path, "--compile", "--compile-mode", mode,
@@ -625,8 +623,8 @@ def test_a_whole_step_run_stopped_mid_epoch_resumes_to_the_uninterrupted_loss(mn
     """The epoch's tables are loaded from the step a resumed run starts at (its shifts from that step's seeds, its
     position on the device): stopped after 4 steps, in its second epoch, and resumed, it ends at the uninterrupted
     run's test loss; the record says the step was not captured, and why."""
-    common = ["--cuda-graph", "--epochs", "2", "--train-samples", "1100", "--test-samples", "1000", "--precision",
-              "32-true", "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path]
+    common = ["--cuda-graph", "--epochs", "2", "--train-samples", "1100", *FEW_TEST_IMAGES, "--precision", "32-true",
+              "--no-tb-images", "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *common, "--run-name", "whole")
     run_in_process("fabric_lenet.py", *common, "--run-name", "cut", "--max-steps", "4")
     run_in_process("fabric_lenet.py", *common, "--run-name", "cut", "--resume", "auto")

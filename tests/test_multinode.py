@@ -11,13 +11,13 @@ import time
 import pytest
 from test_resume import assert_same_run
 
-from conftest import (free_port, mirror_dir, read_summary, run_nodes, run_script, start_node, start_nodes,
-                      wait_for_checkpoint)
+from conftest import (FEW_TEST_IMAGES, free_port, mirror_dir, read_summary, run_nodes, run_script, start_node,
+                      start_nodes, wait_for_checkpoint)
 from core.host import warm_python
 from core.run import ranks
 
 LENET = ["--epochs", "1", "--train-samples", "10000", "--batch-size", "128", "--checkpoint-every", "30", "--keep-last", "20",
-         "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp", "--test-samples", "1000"]
+         "--no-tb-images", "--accelerator", "cpu", "--strategy", "ddp", *FEW_TEST_IMAGES]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import shutil
 import matplotlib.image
 import pytest
 
-from conftest import run_in_process, run_script, shared_dir
+from conftest import FEW_TEST_IMAGES, run_in_process, run_script, shared_dir
 from core.run import hardware
 from fabric_lenet import Config
 from lab import bench, report
@@ -27,7 +27,7 @@ def bench_lenet_in_process(runs, mnist_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "run", run)
         bench.main(["--out-dir", str(runs), "lenet", "--steps", "3", "--seeds", "2", "--race-epochs", "1", "--",
-                    "--max-steps", "3", "--train-samples", "1024", "--test-samples", "1000",
+                    "--max-steps", "3", "--train-samples", "1024", *FEW_TEST_IMAGES,
                     "--data-dir", str(mnist_dir)])
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_summary, run_in_process, run_script, shared_dir, wait_for_checkpoint
+from conftest import (FEW_TEST_IMAGES, REPO, read_summary, run_in_process, run_script, shared_dir,
+                      wait_for_checkpoint)
 from core.host import warm_python
 
 # 2 epochs of 47 steps (batch 128); a checkpoint every 8 steps, so a cut lands mid-epoch and the resume crosses an
 # epoch boundary; default precision (bf16 autocast) and augmentation.
 ARGS = ["--epochs", "2", "--train-samples", "6000", "--batch-size", "128", "--checkpoint-every", "8", "--keep-last", "20",
-        "--no-tb-images", "--accelerator", "cpu", "--test-samples", "1000"]
+        "--no-tb-images", "--accelerator", "cpu", *FEW_TEST_IMAGES]
 
 
 def start(args, env=None) -> subprocess.Popen:
@@ -87,7 +88,7 @@ def test_a_skipped_checkpoint_is_one_line_naming_the_file_and_the_reason(mnist_d
     """A checkpoint whose file unpickles to something weights_only refuses: one warning line, not torch's paragraph."""
     import datetime
 
-    args = ["--train-samples", "1024", "--test-samples", "1000", "--batch-size", "256", "--epochs", "1",
+    args = ["--train-samples", "1024", *FEW_TEST_IMAGES, "--batch-size", "256", "--epochs", "1",
             "--checkpoint-every", "1", "--max-steps", "2", "--no-tb-images", "--accelerator", "cpu", "--data-dir",
             mnist_dir, "--out-dir", tmp_path, "--run-name", "odd"]
     run_in_process("fabric_lenet.py", *args)
@@ -175,7 +176,7 @@ def test_resume_auto_starts_continues_or_skips_a_finished_run(mnist_dir, tmp_pat
     """--resume auto set once and forgotten: a run with no checkpoint starts (one line says so), one with a
     checkpoint continues, one whose record reached the end trains no more and exits 0; a path that does not exist
     stays an error, and without --resume an existing run is never overwritten."""
-    args = ["--train-samples", "1024", "--test-samples", "1000", "--batch-size", "256", "--epochs", "2", "--no-tb-images",
+    args = ["--train-samples", "1024", *FEW_TEST_IMAGES, "--batch-size", "256", "--epochs", "2", "--no-tb-images",
             "--accelerator", "cpu", "--data-dir", mnist_dir, "--out-dir", tmp_path, "--run-name", "mine"]
     first = run_in_process("fabric_lenet.py", *args, "--max-steps", "3", "--resume", "auto")
     assert f"--resume auto: {tmp_path / 'mine'} has no checkpoint yet: starting the run" in first.stdout
@@ -202,7 +203,7 @@ def test_resume_auto_sets_every_damaged_checkpoint_aside_and_starts_over(mnist_d
     """A requeued job whose checkpoints are all damaged would fail on every requeue: one line, the checkpoints moved
     to checkpoints/damaged-<time>/ (kept), the run started over to its end. Without --run-name, auto picks the run
     with the newest checkpoint, not the one with the newest folder set aside."""
-    args = ["--train-samples", "1024", "--test-samples", "1000", "--batch-size", "256", "--epochs", "1", "--no-tb-images",
+    args = ["--train-samples", "1024", *FEW_TEST_IMAGES, "--batch-size", "256", "--epochs", "1", "--no-tb-images",
             "--accelerator", "cpu", "--checkpoint-every", "1", "--data-dir", mnist_dir, "--out-dir", tmp_path]
     run_in_process("fabric_lenet.py", *args, "--run-name", "lenet-broken", "--max-steps", "2")
     for ckpt in (tmp_path / "lenet-broken" / "checkpoints").glob("step-*"):
