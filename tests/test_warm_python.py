@@ -1,11 +1,13 @@
 """warm_python.py, the suite's `python` with torch imported already: a command run through it behaves as under
 a real interpreter (arguments, output, exit status, signals, thread count), or is handed to one."""
 
+import importlib.util
 import os
 import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from conftest import REPO
 from core.host import warm_python
@@ -213,3 +215,54 @@ def test_a_commands_garbage_collections_leave_the_servers_objects_alone():
             "print(len(gc.get_objects()), gc.get_freeze_count(), gc.collect())")
     tracked, frozen, collected = map(int, run("-c", code).stdout.split())
     assert frozen > 100_000 > 10 * tracked and collected >= 1
+
+
+def test_deepspeed_is_the_servers_on_a_machine_whose_ranks_run_on_the_cpu():
+    """DeepSpeed picks its accelerator at its import: the server imports it only where no GPU is, with the CPU the
+    project's runs name (strategies.deepspeed_on_cpu). A command that names the CPU or nothing is forked, its
+    environment as its starter gave it; one that names another accelerator gets a real interpreter."""
+    code = "import os, sys; print(sys.executable, 'deepspeed' in sys.modules, os.environ.get('DS_ACCELERATOR'))"
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    unnamed = subprocess.run([warm_python.executable(), "-c", code], capture_output=True, text=True, env=env)
+    cpu, other = (run("-c", code, env={"DS_ACCELERATOR": name}) for name in ("cpu", "cuda"))
+    preloaded = not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists()
+    assert unnamed.stdout == f"{warm_python.executable()} {preloaded} None\n", unnamed.stderr
+    assert cpu.stdout == f"{warm_python.executable()} {preloaded} cpu\n", cpu.stderr
+    assert other.stdout.split()[:2] == [warm_python.executable() if not preloaded else warm_python.REAL, "False"]
+
+
+def test_a_librarys_log_lines_keep_their_place_in_the_commands_output():
+    """DeepSpeed's logger writes to the sys.stdout of the process that imported it, the server's when the server did:
+    each command's handlers write to its own stream, so a block-buffered command's lines stay in order (and are not
+    left in the server's buffer at its end)."""
+    code = "from deepspeed.utils import logger; print('a'); logger.warning('b'); print('c')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([warm_python.executable(), "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert [line[-1:] for line in proc.stdout.splitlines()] == ["a", "b", "c"], proc.stdout + proc.stderr
+
+
+COMPILED = """import builtins, importlib, json, sys
+seen, compile_ = [], builtins.compile
+builtins.compile = lambda source, path, *a, **k: seen.append(path) or compile_(source, path, *a, **k)
+importlib.import_module(sys.argv[1])
+print(json.dumps(seen))
+"""
+
+
+def test_a_repository_module_is_compiled_once_and_a_changed_one_again(tmp_path):
+    """A second command that imports an unchanged module of the repository compiles nothing: its bytecode is beside
+    it, or under PYTHONDONTWRITEBYTECODE (CI's environment, which keeps none) the server's. A module whose source
+    changed since is compiled again, and nothing is written where the setting says not to."""
+    module, source = "core.run.folder_lock", REPO / "core" / "run" / "folder_lock.py"
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    before = cached.exists() and cached.stat().st_mtime_ns
+    run("-c", COMPILED, module)
+    assert str(source) not in run("-c", COMPILED, module).stdout
+    stat = source.stat()
+    try:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        assert str(source) in run("-c", COMPILED, module).stdout
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        assert (cached.exists() and cached.stat().st_mtime_ns) == before

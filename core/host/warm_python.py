@@ -53,6 +53,7 @@ LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_"
 APPLIED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
            "TORCHINDUCTOR_CACHE_DIR"}
 START_ENV = dict(os.environ)  # the server's, before its imports set some of their own
+IMPORTED_WITH = {}  # read at load by an import the server made with this value (import_deepspeed_for_the_cpu)
 # interpreter options a child takes over: multiprocessing's spawn passes -B where PYTHONDONTWRITEBYTECODE is set
 TAKEN_OVER = ("-u", "-B")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
@@ -206,9 +207,10 @@ def declines(argv: list[str], env: dict) -> bool:
         rest.pop(0)
     if not rest or (rest[0].startswith("-") and (rest[0] not in ("-m", "-c") or len(rest) < 2)):
         return True
-    keys = {k for k in {*env, *START_ENV} if k.startswith(LOAD_TIME) and k not in APPLIED}
+    keys = {k for k in {*env, *START_ENV} if (k.startswith(LOAD_TIME) or k in IMPORTED_WITH) and k not in APPLIED}
     # a value the imports set themselves (a child's children inherit it) is what a fresh process gets too
-    return any(env.get(k) not in (START_ENV.get(k), os.environ.get(k)) for k in keys)
+    return any(env.get(k) not in (START_ENV.get(k), os.environ.get(k), IMPORTED_WITH.get(k, START_ENV.get(k)))
+               for k in keys)
 
 
 
@@ -262,6 +264,7 @@ def become_the_interpreter(argv: list[str], env: dict, cwd: str, mask: list[int]
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     keep_the_servers_op_registrations()
     sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    servers = {sys.stdout: "stdout", sys.stderr: "stderr"}
     for fd, name in ((1, "stdout"), (2, "stderr")):
         raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
         stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
@@ -269,7 +272,19 @@ def become_the_interpreter(argv: list[str], env: dict, cwd: str, mask: list[int]
                                   write_through=unbuffered)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+    log_to_the_childs_streams({server: getattr(sys, name) for server, name in servers.items()})
     return argv
+
+
+def log_to_the_childs_streams(streams: dict) -> None:
+    """A logging handler a library made at the server's import holds the server's sys.stdout or sys.stderr (DeepSpeed's
+    logs to stdout): it writes to the child's own, which the child's end flushes, as in a new interpreter."""
+    import logging
+
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler, logging.StreamHandler) and handler.stream in streams:
+                handler.stream = streams[handler.stream]
 
 
 def keep_the_servers_op_registrations() -> None:
@@ -318,6 +333,80 @@ def run_as_main(argv: list[str], cwd: str) -> int:
     return 0
 
 
+def import_the_extension_builder() -> None:
+    """torch's extension builder and setuptools, 50 ms of CPU in every run that loads the C++ GELU or a DeepSpeed op.
+    Its import guesses a CUDA home where nvcc is on PATH and no GPU is, with a warning the runs hide
+    (hardware.hide_the_cuda_home_guess): not printed here either, on the console of the suite or the lab."""
+    import logging
+
+    guess = lambda record: "No CUDA runtime is found" not in record.getMessage()  # noqa: E731
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    logger.addFilter(guess)
+    import torch.utils.cpp_extension  # noqa: F401
+
+    logger.removeFilter(guess)
+
+
+def import_deepspeed_for_the_cpu() -> None:
+    """DeepSpeed, 0.2 s of every rank's CPU to import, on a machine without GPUs: it picks its accelerator once, at its
+    import, so the server imports it as the project's CPU runs do (DS_ACCELERATOR=cpu: strategies.deepspeed_on_cpu),
+    and a child that names another accelerator runs a real interpreter. Where a GPU may be present DeepSpeed would ask
+    CUDA for its devices, which no forked child could use afterwards: not imported there."""
+    if any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists() or START_ENV.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return
+    IMPORTED_WITH["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass
+    finally:  # not in a child's environment unless its own starter put it there
+        if "DS_ACCELERATOR" not in START_ENV:
+            del os.environ["DS_ACCELERATOR"]
+
+
+def build_the_conversion_table() -> None:
+    """transformers (5.x) builds its table of checkpoint renamings, a thousand regular expressions (0.17 s), at a
+    process's first save_pretrained or from_pretrained, and keeps it: built here once, for every exporting child."""
+    try:
+        from transformers import conversion_mapping
+
+        conversion_mapping.get_checkpoint_conversion_mapping("gpt2")
+    except (ImportError, AttributeError):  # another transformers: each child builds what it needs, as before
+        pass
+
+
+def compile_the_repository() -> None:
+    """Under PYTHONDONTWRITEBYTECODE (set in CI's environment) no bytecode is kept, and every process compiled each
+    module of the repository it imported from source: 60 ms of CPU a run of fabric_gpt.py. The server compiles them
+    once, and its children take that code for a module whose source is unchanged (the libraries' own bytecode was
+    written at their install). Nothing is written, as the setting asks."""
+    if not sys.dont_write_bytecode:  # kept beside their sources as usual
+        return
+    import importlib.machinery as machinery
+
+    repo = Path(__file__).resolve().parents[2]
+    packages = [d for d in repo.iterdir() if (d / "__init__.py").exists() and d.name != "tests"]  # pytest compiles those
+    sources = [*repo.glob("*.py"), *(path for d in packages for path in d.rglob("*.py"))]
+    compiled = {str(path): (path.stat().st_mtime_ns, compile(path.read_bytes(), str(path), "exec", dont_inherit=True))
+                for path in sources}
+    tops = {path.stem for path in repo.glob("*.py")} | {d.name for d in packages}
+
+    class Compiled(machinery.SourceFileLoader):
+        def get_code(self, fullname):
+            mtime, code = compiled.get(self.path, (None, None))
+            return code if code and os.stat(self.path).st_mtime_ns == mtime else super().get_code(fullname)
+
+    class Repository:  # ahead of the path finder, for the repository's own modules only
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            spec = machinery.PathFinder.find_spec(name, path, target) if name.partition(".")[0] in tops else None
+            if spec is not None and spec.origin in compiled:
+                spec.loader = Compiled(name, spec.origin)
+            return spec
+
+    sys.meta_path.insert(0, Repository)
+
+
 def serve(sock_path: str, client: str) -> None:
     """Import once, then fork a child per connection; report each child's pid and wait status to its client, and
     kill a child whose client went away (a client killed by SIGKILL cannot forward it)."""
@@ -325,6 +414,10 @@ def serve(sock_path: str, client: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    import_the_extension_builder()
+    import_deepspeed_for_the_cpu()
+    build_the_conversion_table()
+    compile_the_repository()
     import inspect
 
     import torch
