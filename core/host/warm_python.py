@@ -5,7 +5,9 @@ Every such process (each rank of a 2-process run, each torchrun "machine") spent
 importing torch, Lightning, torchmetrics and transformers before its first line ran, for a job of a few seconds; the
 suite starts some two hundred, the lab's performance model twenty. Here one server (per test suite, whose
 pytest-xdist workers are its children too; per bench, per `make lab`) imports them once and forks a child per
-command, the way a DataLoader forks its workers from a process that has imported torch. bench-gpt's cases run real
+command, the way a DataLoader forks its workers from a process that has imported torch (and DeepSpeed where no GPU
+is, torch's extension builder, transformers' conversion table, and the repository's modules compiled, each a cost
+every child paid again: see serve). bench-gpt's cases run real
 interpreters: a forked child's resident memory counts the server's pages it touches (3% more at a run's peak,
 measured), and its table reports the memory of what a user runs.
 The lab's other stages measure time and accuracy, which a fork leaves as they are (docs/lab.md).
