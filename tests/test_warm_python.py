@@ -6,8 +6,11 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 from core.host import warm_python
@@ -266,3 +269,20 @@ def test_a_repository_module_is_compiled_once_and_a_changed_one_again(tmp_path):
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     if os.environ.get("PYTHONDONTWRITEBYTECODE"):
         assert (cached.exists() and cached.stat().st_mtime_ns) == before
+
+
+def test_a_module_being_edited_leaves_the_servers_compiling_to_the_others(tmp_path, monkeypatch):
+    """The server compiles the repository's modules before it serves: one that does not compile (a file being edited)
+    is left to the command that imports it, which meets the error a real interpreter gives; the others come compiled."""
+    (tmp_path / "good.py").write_text("VALUE = 1\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    warm_python.compile_the_repository(tmp_path)
+    import good
+
+    assert good.VALUE == 1 and type(good.__loader__).__name__ == "Compiled"
+    with pytest.raises(SyntaxError):
+        import broken  # noqa: F401
+    monkeypatch.delitem(sys.modules, "good")

@@ -359,7 +359,7 @@ def import_deepspeed_for_the_cpu() -> None:
     IMPORTED_WITH["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"] = "cpu"
     try:
         import deepspeed  # noqa: F401
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not installed or broken: each command that imports it meets that itself
         pass
     finally:  # not in a child's environment unless its own starter put it there
         if "DS_ACCELERATOR" not in START_ENV:
@@ -373,11 +373,11 @@ def build_the_conversion_table() -> None:
         from transformers import conversion_mapping
 
         conversion_mapping.get_checkpoint_conversion_mapping("gpt2")
-    except (ImportError, AttributeError):  # another transformers: each child builds what it needs, as before
+    except Exception:  # noqa: BLE001 - another transformers: each child builds what it needs, as before
         pass
 
 
-def compile_the_repository() -> None:
+def compile_the_repository(repo: Path = Path(__file__).resolve().parents[2]) -> None:
     """Under PYTHONDONTWRITEBYTECODE (set in CI's environment) no bytecode is kept, and every process compiled each
     module of the repository it imported from source: 60 ms of CPU a run of fabric_gpt.py. The server compiles them
     once, and its children take that code for a module whose source is unchanged (the libraries' own bytecode was
@@ -386,11 +386,14 @@ def compile_the_repository() -> None:
         return
     import importlib.machinery as machinery
 
-    repo = Path(__file__).resolve().parents[2]
     packages = [d for d in repo.iterdir() if (d / "__init__.py").exists() and d.name != "tests"]  # pytest compiles those
     sources = [*repo.glob("*.py"), *(path for d in packages for path in d.rglob("*.py"))]
-    compiled = {str(path): (path.stat().st_mtime_ns, compile(path.read_bytes(), str(path), "exec", dont_inherit=True))
-                for path in sources}
+    compiled = {}
+    for path in sources:
+        try:
+            compiled[str(path)] = path.stat().st_mtime_ns, compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError, OSError):  # a file being edited: the command that imports it says why
+            pass
     tops = {path.stem for path in repo.glob("*.py")} | {d.name for d in packages}
 
     class Compiled(machinery.SourceFileLoader):
