@@ -45,7 +45,8 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "psutil
            "lightning.fabric.strategies", "lightning.fabric.loggers", "torchmetrics", "transformers",
            "transformers.models.gpt2.modeling_gpt2", "safetensors.torch", "torch.utils.tensorboard",
            "torch._inductor.compile_fx",  # what torch.compile imports first, as does every DeepSpeed ZeRO rank (Muon)
-           "torch.distributed.tensor.experimental", "torch.distributed.pipelining")  # fsdp/tp checkpoints, pp runs
+           "torch.distributed.tensor.experimental", "torch.distributed.pipelining",  # fsdp/tp checkpoints, pp runs
+           "torch.distributed.checkpoint")  # every FSDP or tensor-parallel save and load (0.1 s a rank)
 # read once, at import or library load, by what PRELOAD loads: a child whose value differs runs a real interpreter
 LOAD_TIME = ("ONEDNN_", "DNNL_", "ATEN_", "MKL_", "KMP_", "GOMP_", "OMP_", "LD_", "MALLOC_", "PYTHON", "HF_",
              "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "CUDA_", "NVIDIA_",
