@@ -355,7 +355,8 @@ def import_deepspeed_for_the_cpu() -> None:
     import, so the server imports it as the project's CPU runs do (DS_ACCELERATOR=cpu: strategies.deepspeed_on_cpu),
     and a child that names another accelerator runs a real interpreter. Where a GPU may be present DeepSpeed would ask
     CUDA for its devices, which no forked child could use afterwards: not imported there."""
-    if any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists() or START_ENV.get("DS_ACCELERATOR", "cpu") != "cpu":
+    gpu = any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+    if gpu or START_ENV.get("DS_ACCELERATOR", "cpu") != "cpu":
         return
     IMPORTED_WITH["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"] = "cpu"
     try:
@@ -387,12 +388,14 @@ def compile_the_repository(repo: Path = Path(__file__).resolve().parents[2]) -> 
         return
     import importlib.machinery as machinery
 
-    packages = [d for d in repo.iterdir() if (d / "__init__.py").exists() and d.name != "tests"]  # pytest compiles those
+    # the tests are pytest's to compile (it rewrites their asserts)
+    packages = [d for d in repo.iterdir() if (d / "__init__.py").exists() and d.name != "tests"]
     sources = [*repo.glob("*.py"), *(path for d in packages for path in d.rglob("*.py"))]
     compiled = {}
     for path in sources:
         try:
-            compiled[str(path)] = path.stat().st_mtime_ns, compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+            mtime = path.stat().st_mtime_ns  # before the read: a source changed meanwhile is compiled again
+            compiled[str(path)] = mtime, compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
         except (SyntaxError, ValueError, OSError):  # a file being edited: the command that imports it says why
             pass
     tops = {path.stem for path in repo.glob("*.py")} | {d.name for d in packages}
