@@ -254,7 +254,7 @@ print(json.dumps(seen))
 
 def test_a_repository_module_is_compiled_once_and_a_changed_one_again(tmp_path):
     """A second command that imports an unchanged module of the repository compiles nothing: its bytecode is beside
-    it, or under PYTHONDONTWRITEBYTECODE (CI's environment, which keeps none) the server's. A module whose source
+    it, or under PYTHONDONTWRITEBYTECODE (which keeps none) the server's. A module whose source
     changed since is compiled again, and nothing is written where the setting says not to."""
     module, source = "core.run.folder_lock", REPO / "core" / "run" / "folder_lock.py"
     cached = Path(importlib.util.cache_from_source(str(source)))
