@@ -382,8 +382,9 @@ def build_the_conversion_table() -> None:
 def compile_the_repository(repo: Path = Path(__file__).resolve().parents[2]) -> None:
     """Under PYTHONDONTWRITEBYTECODE (this machine's shell sets it; CI likely runs in the same environment, not
     verified) no bytecode is kept, and every process compiled each module of the repository it imported from source:
-    60 ms of CPU a run of fabric_gpt.py. The server compiles them once, and its children take that code for a module whose source is unchanged (the libraries' own bytecode was
-    written at their install). Nothing is written, as the setting asks."""
+    60 ms of CPU a run of fabric_gpt.py. The server compiles them once, and its children take that code for a module
+    whose source is unchanged (the libraries' own bytecode was written at their install). Nothing is written, as the
+    setting asks."""
     if not sys.dont_write_bytecode:  # kept beside their sources as usual
         return
     import importlib.machinery as machinery
