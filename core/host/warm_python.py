@@ -131,8 +131,9 @@ while b"\\n" not in buf:
     if conn in ready:
         receive()
 status = number()
-if os.WIFSIGNALED(status):
-    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+if os.WIFSIGNALED(status):  # SIGKILL (the OOM killer's) has no handler to reset and is default already
+    if os.WTERMSIG(status) != signal.SIGKILL:
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
     os.kill(os.getpid(), os.WTERMSIG(status))
 # ended here, with nothing to flush: an interpreter's own end resets its handlers, and a signal sent in that instant
 # (a launcher still stopping the group) would end the client by it, though the command exited by its code
@@ -436,6 +437,11 @@ def serve(sock_path: str, client: str) -> None:
     # no module, so each inspect.stack() scanned every loaded module for it (9 ms a call here, 0.2 in a new Python;
     # torchrun's rendezvous calls it at every record, py-cpuinfo at each step of its trace)
     inspect.modulesbyfile.setdefault("<frozen runpy>", "runpy")
+    # inspect's table of each loaded module's file, which its first lookup of a source's module fills by resolving
+    # every module's path (60 ms of CPU in a child; torch.library does it at each registration of the C++ GELU's fake
+    # kernel, every GPT-2 run): filled here once, a child then resolves only the modules it imported itself. Asked
+    # for a file no module has, as a lookup during the imports may have mapped this one already (and then scans none)
+    inspect.getmodule(None, "<no module's file>")
     # what the imports made lives as long as the server: out of every child's garbage collections, which otherwise
     # walk its half a million objects (0.3 s a full one) and write into each page holding them (copied on write)
     gc.freeze()
