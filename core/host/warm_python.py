@@ -440,8 +440,12 @@ def serve(sock_path: str, client: str) -> None:
     # inspect's table of each loaded module's file, which its first lookup of a source's module fills by resolving
     # every module's path (60 ms of CPU in a child; torch.library does it at each registration of the C++ GELU's fake
     # kernel, every GPT-2 run): filled here once, a child then resolves only the modules it imported itself. Asked
-    # for a file no module has, as a lookup during the imports may have mapped this one already (and then scans none)
-    inspect.getmodule(None, "<no module's file>")
+    # for a file no module has, as a lookup during the imports may have mapped this one already (and then scans none).
+    # A module that fails the walk (a lazy one whose __getattr__ raises) leaves the table to each child, as before
+    try:
+        inspect.getmodule(None, "<no module's file>")
+    except Exception:  # noqa: BLE001
+        pass
     # what the imports made lives as long as the server: out of every child's garbage collections, which otherwise
     # walk its half a million objects (0.3 s a full one) and write into each page holding them (copied on write)
     gc.freeze()
