@@ -1,8 +1,6 @@
 """The arithmetic behind fabric_gpt.py's figures: FLOPs per token, peak FLOP/s (datasheet dense peaks for
 GPUs, a measured matmul probe for CPUs), peak memory, and the per-device memory plan of every strategy."""
 
-import contextlib
-import ctypes
 import dataclasses
 import os
 import resource
@@ -14,7 +12,7 @@ import torch
 from core.gpt.chunked_loss import CHUNK
 from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, has_biases, model_vocab, positions
 from core.gpt.strategies import REDUCE_BUCKET, deepspeed_on_cpu, fsdp_gathers_bf16
-from core.run import measurements
+from core.run import hardware, measurements
 from core.run.flags import ConfigError
 
 # Dense (not sparse) peak FLOP/s per GPU from NVIDIA's datasheets, for the dtype the matmuls run in.
@@ -500,8 +498,7 @@ def process_baseline() -> float:
     What this process's measurements freed before it (a first run on a new machine times its matmul peak and its
     attention: 40-50 MB) goes back to the system first: kept in the heap it was counted as the libraries' and again
     as training's, whose tensors reuse it (a fresh clone's host-plan test planned 5.3% over the run's peak)."""
-    with contextlib.suppress(OSError, AttributeError):  # glibc's; another C library keeps what it keeps
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    hardware.return_freed_host_memory()
     return psutil.Process().memory_info().rss
 
 

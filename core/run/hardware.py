@@ -218,9 +218,10 @@ def keep_freed_memory_in_heap() -> None:
 
 
 def return_freed_host_memory() -> None:
-    """For a GPT run after set-up: hand what set-up freed back to the system (glibc keeps freed heap otherwise).
+    """Hand what the heap holds freed back to the system (glibc keeps it otherwise). For a GPT run after set-up:
     ZeRO-Infinity creates each partition's fp32 weights in host memory before swapping them to NVMe, and without this
-    the process kept those gigabytes through training."""
+    the process kept those gigabytes through training. And before the host plan reads a process's baseline
+    (accounting.process_baseline)."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
