@@ -245,7 +245,7 @@ def test_deepspeed_is_the_servers_on_a_machine_whose_ranks_run_on_the_cpu():
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     unnamed = subprocess.run([warm_python.executable(), "-c", code], capture_output=True, text=True, env=env)
     cpu, other = (run("-c", code, env={"DS_ACCELERATOR": name}) for name in ("cpu", "cuda"))
-    preloaded = not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists()
+    preloaded = not warm_python.a_gpu_may_be_present()
     assert unnamed.stdout == f"{warm_python.executable()} {preloaded} None\n", unnamed.stderr
     assert cpu.stdout == f"{warm_python.executable()} {preloaded} cpu\n", cpu.stderr
     assert other.stdout.split()[:2] == [warm_python.executable() if not preloaded else warm_python.REAL, "False"]

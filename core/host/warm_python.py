@@ -351,13 +351,17 @@ def import_the_extension_builder() -> None:
     logger.removeFilter(guess)
 
 
+def a_gpu_may_be_present() -> bool:
+    """An NVIDIA or AMD device node: what a forked child could not use once the server had asked CUDA for devices."""
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
 def import_deepspeed_for_the_cpu() -> None:
     """DeepSpeed, 0.2 s of every rank's CPU to import, on a machine without GPUs: it picks its accelerator once, at its
     import, so the server imports it as the project's CPU runs do (DS_ACCELERATOR=cpu: strategies.deepspeed_on_cpu),
     and a child that names another accelerator runs a real interpreter. Where a GPU may be present DeepSpeed would ask
     CUDA for its devices, which no forked child could use afterwards: not imported there."""
-    gpu = any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
-    if gpu or START_ENV.get("DS_ACCELERATOR", "cpu") != "cpu":
+    if a_gpu_may_be_present() or START_ENV.get("DS_ACCELERATOR", "cpu") != "cpu":
         return
     IMPORTED_WITH["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"] = "cpu"
     try:
