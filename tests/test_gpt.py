@@ -179,6 +179,31 @@ def test_nvme_offload_equals_one_process(tmp_path):
         assert [f.name.split("-")[0] for f in files[1:]] == ["exp_avg", "exp_avg_sq"]  # after the float32 partition
 
 
+def test_zero_infinity_swap_buffers_hold_the_largest_partition_of_each_model():
+    """DeepSpeed asserts that each parameter partition ZeRO-Infinity swaps in fits one of its buffers. A fixed 4.1e7
+    elements (the 1.6B model's tied embedding on 2 ranks, 4.02e7) stopped that model on one process (8.04e7) and GPT-2
+    medium and large on one, each with DeepSpeed's assertion and its traceback, and pinned 1.3 GB of host memory (float32) for
+    the tiny model. The buffer is now the largest partition of the model DeepSpeed partitions (built here on the meta
+    device, as ZeRO-3 pads each parameter to a multiple of the ranks), and the host plan counts those buffers."""
+    from transformers import GPT2LMHeadModel
+
+    sizes = {}
+    for model, devices in (("1.6b", 1), ("1.6b", 2), ("gpt2-medium", 1), ("tiny", 2), ("small", 3)):
+        cfg = gpt.parse_args(["--model", model, "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme",
+                              "--devices", str(devices), "--accelerator", "cpu", "--micro-batch-size", "1"])
+        with torch.device("meta"):
+            largest = max(-(-p.numel() // devices) for p in GPT2LMHeadModel(gpt_model.gpt2_config(cfg)).parameters())
+        offload = strategies.deepspeed_config(cfg)["zero_optimization"]["offload_param"]
+        assert offload["buffer_size"] == largest, (model, devices)
+        sizes[model, devices] = offload["buffer_count"] * offload["buffer_size"]
+    assert sizes["1.6b", 1] == 8 * 50257 * 1600 > 8 * 4.1e7 > sizes["1.6b", 2] and sizes["tiny", 2] * 4 < 2**20
+    tiny = gpt.parse_args(["--model", "tiny", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme",
+                           "--devices", "2", "--accelerator", "cpu", "--micro-batch-size", "1", "--precision", "bf16-mixed"])
+    device = accounting.device_plan(tiny, on_gpu=False)
+    plan = accounting.host_memory_plan(tiny, device["n_params"], device, False, baseline=0.0)
+    assert plan["offload"] < 0.6e9  # 1.16 GB before: 0.66 GB of it the parameter buffers of a 0.1M-parameter model
+
+
 @pytest.mark.slow
 def test_pipeline_under_bf16_autocast_equals_one_process(tmp_path):
     """The schedule runs backward itself (autograd.grad), so the stage runs under Fabric's autocast directly."""

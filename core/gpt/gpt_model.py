@@ -88,6 +88,16 @@ def attention_implementation(cfg) -> str:
 def count_parameters(cfg) -> tuple[int, str]:
     """(parameters, attention implementation), from the model on the meta device (no memory); kept per shape: a run
     asks 4-5 times (its plans, its summary), each a model built, 15-20 ms of CPU."""
+    return _counted_model(cfg)[:2]
+
+
+def largest_parameter(cfg) -> int:
+    """Elements of the model's largest parameter (GPT-2's tied embedding, or the MLP's or the positions' where those
+    are wider): what one of ZeRO-Infinity's swap buffers holds a partition of (strategies.nvme_param_buffer)."""
+    return _counted_model(cfg)[2]
+
+
+def _counted_model(cfg) -> tuple[int, str, int]:
     from transformers import GPT2LMHeadModel
 
     config = gpt2_config(cfg)
@@ -95,7 +105,8 @@ def count_parameters(cfg) -> tuple[int, str]:
     if key not in _counted:
         with torch.device("meta"):
             model = without_biases(GPT2LMHeadModel(config), cfg)
-        _counted[key] = sum(p.numel() for p in model.parameters()), model.config._attn_implementation  # tied once
+        sizes = [p.numel() for p in model.parameters()]  # tied once
+        _counted[key] = sum(sizes), model.config._attn_implementation, max(sizes)
     return _counted[key]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.gpt.gpt_model import largest_parameter
 from core.host import extension_compiler
 from core.run.flags import ConfigError
 from core.run.hardware import hide_the_cuda_home_guess
@@ -40,6 +41,18 @@ def fsdp_gathers_bf16(cfg) -> bool:
 
 # ----------------------------------------------------------------------------- DeepSpeed
 REDUCE_BUCKET = int(2e8)  # elements; ZeRO-3 keeps a gradient bucket this long (accounting.zero3_bucket)
+
+
+NVME_BUFFER_COUNT = 8  # ZeRO-Infinity's parameter swap buffers (deepspeed_config)
+
+
+def nvme_param_buffer(cfg) -> int:
+    """Elements of each of ZeRO-Infinity's parameter swap buffers: one rank's partition of the largest parameter, which
+    DeepSpeed asserts fits one buffer. A fixed 4.1e7 (the 1.6B model's tied embedding on 2 ranks, 4.02e7) stopped that
+    model on one process, whose embedding partition is 8.04e7, with DeepSpeed's assertion ("More elements 51463168
+    than buffer size 41000000" for a 1,024-wide GPT-2), and pinned 1.3 GB of host memory (float32) for a model of a few million
+    parameters."""
+    return -(-largest_parameter(cfg) // cfg.layout.dp_size)  # ZeRO-3 pads each parameter to a multiple of the ranks
 
 
 def deepspeed_config(cfg) -> dict:
@@ -58,10 +71,11 @@ def deepspeed_config(cfg) -> dict:
         # weights, Adam moments and gradients into host memory at once (the 1.6B model was killed at 12 GB per
         # process); 2.5e7 keeps 0.4 GB. Each swapped-in parameter partition takes a whole buffer, and with DeepSpeed's
         # 5 buffers and its reuse distance of 1e9 the 1.6B model's second forward found none free ("Not enough
-        # buffers"): parameters are released after use, not prefetched, and 8 buffers of 4.1e7 elements hold any
-        # partition of the 1.6B model on 2 ranks (the tied embedding's is 4.02e7).
+        # buffers"): parameters are released after use, not prefetched, into 8 buffers each the size of the largest
+        # partition (nvme_param_buffer).
         zero.update(sub_group_size=int(2.5e7), stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
-        zero["offload_param"].update(buffer_count=8, buffer_size=int(4.1e7), max_in_cpu=int(5e7))
+        zero["offload_param"].update(buffer_count=NVME_BUFFER_COUNT, buffer_size=nvme_param_buffer(cfg),
+                                     max_in_cpu=int(5e7))
     config = {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": cfg.grad_accum,
               "gradient_clipping": cfg.grad_clip, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}

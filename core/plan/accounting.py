@@ -11,7 +11,8 @@ import torch
 
 from core.gpt.chunked_loss import CHUNK
 from core.gpt.gpt_model import SDPA_FLOAT32, count_parameters, has_biases, model_vocab, positions
-from core.gpt.strategies import REDUCE_BUCKET, deepspeed_on_cpu, fsdp_gathers_bf16
+from core.gpt.strategies import (NVME_BUFFER_COUNT, REDUCE_BUCKET, deepspeed_on_cpu, fsdp_gathers_bf16,
+                                 nvme_param_buffer)
 from core.run import hardware, measurements
 from core.run.flags import ConfigError
 
@@ -341,9 +342,9 @@ def memory_plan(cfg, n_params: int, attn_implementation: str = "sdpa") -> dict:
 
 
 # ZeRO-Infinity's host buffers in our config (strategies.deepspeed_config): optimizer sub-groups of 2.5e7 elements
-# (fp32 weights, both moments and the gradient swapped in at once), 8 parameter buffers of 4.1e7 elements and at
-# most 5e7 parameter elements kept in host memory
-NVME_SUB_GROUP, NVME_PARAM_BUFFERS, NVME_MAX_IN_CPU = 2.5e7, 8 * 4.1e7, 5e7
+# (fp32 weights, both moments and the gradient swapped in at once), 8 parameter buffers each a rank's partition of the
+# largest parameter (strategies.nvme_param_buffer) and at most 5e7 parameter elements kept in host memory
+NVME_SUB_GROUP, NVME_MAX_IN_CPU = 2.5e7, 5e7
 
 
 # The host plan against the measured peak RSS: the 1.6B model under ZeRO-Infinity 3% over (10.3 planned, 10.01 GiB
@@ -377,7 +378,10 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
     if lay.offload:
         if cfg.nvme_path:  # measured on the 1.6B model (docs/gpt.md): the partition's fp32 gradient and fp32 and
             # 16-bit weights stay in host memory (10 bytes per element under bf16) besides the swap buffers
-            offload = partition * (4 + 4 + word) + NVME_SUB_GROUP * 16 + (NVME_PARAM_BUFFERS + NVME_MAX_IN_CPU) * word
+            # a parameter's partition larger than a sub-group is a sub-group of its own (the 1.6B model's embedding
+            # on one process, 8.04e7): counting 2.5e7 planned a 1,024-wide model 15% under its peak
+            sub_group = max(NVME_SUB_GROUP, nvme_param_buffer(cfg))
+            offload = partition * (4 + 4 + word) + sub_group * 16 + (NVME_BUFFER_COUNT * nvme_param_buffer(cfg) + NVME_MAX_IN_CPU) * word
         else:
             offload = partition * (4 + 8 + 4) + (partition * word if stage == 3 else 0)
     if stage == 3:
