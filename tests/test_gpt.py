@@ -182,9 +182,9 @@ def test_nvme_offload_equals_one_process(tmp_path):
 def test_zero_infinity_swap_buffers_hold_the_largest_partition_of_each_model():
     """DeepSpeed asserts that each parameter partition ZeRO-Infinity swaps in fits one of its buffers. A fixed 4.1e7
     elements (the 1.6B model's tied embedding on 2 ranks, 4.02e7) stopped that model on one process (8.04e7) and GPT-2
-    medium and large on one, each with DeepSpeed's assertion and its traceback, and pinned 1.3 GB of host memory (float32) for
-    the tiny model. The buffer is now the largest partition of the model DeepSpeed partitions (built here on the meta
-    device, as ZeRO-3 pads each parameter to a multiple of the ranks), and the host plan counts those buffers."""
+    medium and large on one, each with DeepSpeed's assertion and its traceback, and pinned 1.3 GB of host memory
+    (float32) for the tiny model. The buffer is now the largest partition of the model DeepSpeed partitions (built here
+    on the meta device, as ZeRO-3 pads each parameter to a multiple of the ranks), and the host plan counts them."""
     from transformers import GPT2LMHeadModel
 
     sizes = {}
@@ -198,7 +198,8 @@ def test_zero_infinity_swap_buffers_hold_the_largest_partition_of_each_model():
         sizes[model, devices] = offload["buffer_count"] * offload["buffer_size"]
     assert sizes["1.6b", 1] == 8 * 50257 * 1600 > 8 * 4.1e7 > sizes["1.6b", 2] and sizes["tiny", 2] * 4 < 2**20
     tiny = gpt.parse_args(["--model", "tiny", "--strategy", "deepspeed_stage_3_offload", "--nvme-path", "/tmp/nvme",
-                           "--devices", "2", "--accelerator", "cpu", "--micro-batch-size", "1", "--precision", "bf16-mixed"])
+                           "--devices", "2", "--accelerator", "cpu", "--micro-batch-size", "1",
+                           "--precision", "bf16-mixed"])
     device = accounting.device_plan(tiny, on_gpu=False)
     plan = accounting.host_memory_plan(tiny, device["n_params"], device, False, baseline=0.0)
     assert plan["offload"] < 0.6e9  # 1.16 GB before: 0.66 GB of it the parameter buffers of a 0.1M-parameter model

@@ -50,8 +50,8 @@ def nvme_param_buffer(cfg) -> int:
     """Elements of each of ZeRO-Infinity's parameter swap buffers: one rank's partition of the largest parameter, which
     DeepSpeed asserts fits one buffer. A fixed 4.1e7 (the 1.6B model's tied embedding on 2 ranks, 4.02e7) stopped that
     model on one process, whose embedding partition is 8.04e7, with DeepSpeed's assertion ("More elements 51463168
-    than buffer size 41000000" for a 1,024-wide GPT-2), and pinned 1.3 GB of host memory (float32) for a model of a few million
-    parameters."""
+    than buffer size 41000000" for a 1,024-wide GPT-2), and pinned 1.3 GB of host memory (float32) for the tiny
+    model."""
     return -(-largest_parameter(cfg) // cfg.layout.dp_size)  # ZeRO-3 pads each parameter to a multiple of the ranks
 
 
