@@ -380,9 +380,9 @@ def host_memory_plan(cfg, n_params: int, device_plan: dict, on_gpu: bool, baseli
             # 16-bit weights stay in host memory (10 bytes per element under bf16) besides the swap buffers
             # a parameter's partition larger than a sub-group is a sub-group of its own (the 1.6B model's embedding
             # on one process, 8.04e7): counting 2.5e7 planned a 1,024-wide model 16% under its peak (docs/gpt.md)
-            largest = nvme_param_buffer(cfg)
-            offload = (partition * (4 + 4 + word) + max(NVME_SUB_GROUP, largest) * 16
-                       + (NVME_BUFFER_COUNT * largest + NVME_MAX_IN_CPU) * word)
+            largest_partition = nvme_param_buffer(cfg)
+            offload = (partition * (4 + 4 + word) + max(NVME_SUB_GROUP, largest_partition) * 16
+                       + (NVME_BUFFER_COUNT * largest_partition + NVME_MAX_IN_CPU) * word)
         else:
             offload = partition * (4 + 8 + 4) + (partition * word if stage == 3 else 0)
     if stage == 3:
